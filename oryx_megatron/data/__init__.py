@@ -1,0 +1,9 @@
+"""Training data: token shards and Megatron indexed datasets in, batches with modes out.
+
+Modules (the data code knows no model code):
+
+- ``modes``: ``ModeSchedule`` and ``build_mode_schedule`` (which mixer reads each token);
+- ``shards``: the dataset format shared with ``data_prep`` (manifest + WebDataset shards);
+- ``loader``: ``ShardLoader``, deterministic and resumable, plus ``parse_blend``;
+- ``indexed``: ``IndexedLoader`` over Megatron ``.bin/.idx`` data (imports megatron.core).
+"""

@@ -1,0 +1,151 @@
+"""The on-disk format shared by ``data_prep`` (writer) and the loader (reader).
+
+A dataset is a directory with ``manifest.json`` and WebDataset tar shards. Each tar
+sample is a block of whole documents: ``<key>.tokens.npy`` (the documents' token ids
+concatenated, in the manifest's ``token_dtype``) and ``<key>.lengths.npy`` (int64
+token count per document). Blocks keep the per-member tar overhead (512-byte headers)
+negligible for short documents. See docs/data.md.
+"""
+
+import dataclasses
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import List
+
+import numpy as np
+import webdataset as wds
+from webdataset.tariterators import tarfile_samples
+
+FORMAT = "oryx-token-shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+BLOCK_TOKENS = 1 << 20
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id of the vocabulary."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    path: str  # relative to the manifest's directory
+    documents: int
+    tokens: int
+
+
+@dataclasses.dataclass
+class Manifest:
+    """What the loader needs to know about a dataset, plus provenance."""
+
+    tokenizer: dict  # kind, file, sha256, eod_token
+    vocab_size: int
+    eod_id: int
+    token_dtype: str
+    shards: List[ShardInfo]
+    stats: dict  # documents, tokens and the counted skips of the prep run
+    root: Path = dataclasses.field(default=Path("."), compare=False)  # the manifest's directory
+
+    @property
+    def documents(self) -> int:
+        return sum(s.documents for s in self.shards)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    def shard_path(self, shard: ShardInfo) -> Path:
+        return self.root / shard.path
+
+    def write(self, path: Path) -> None:
+        """Write atomically (tmp file + rename)."""
+        body = {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
+        del body["root"]
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(body, indent=1) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path) -> "Manifest":
+        """Read a manifest file, or ``manifest.json`` in a directory; errors name the file and field."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / MANIFEST
+        try:
+            body = json.loads(path.read_text())
+        except OSError as e:
+            raise FileNotFoundError(f"cannot read manifest {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"manifest {path} is not valid JSON: {e}") from None
+        if body.get("format") != FORMAT or body.get("version") != VERSION:
+            raise ValueError(
+                f"manifest {path}: format {body.get('format')!r} version {body.get('version')!r}, "
+                f"expected {FORMAT!r} version {VERSION}"
+            )
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "root"]
+        missing = [f for f in fields if f not in body]
+        if missing:
+            raise ValueError(f"manifest {path} has no field {missing[0]!r}")
+        try:
+            shards = [ShardInfo(**s) for s in body["shards"]]
+        except TypeError as e:
+            raise ValueError(f"manifest {path}: bad entry in 'shards': {e}") from None
+        if not shards:
+            raise ValueError(f"manifest {path} lists no shards")
+        return cls(**{f: body[f] for f in fields if f != "shards"}, shards=shards, root=path.parent)
+
+
+class ShardWriter:
+    """Writes documents into one tar shard; the file appears (atomic rename) on ``close``."""
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.path, self.dtype = Path(path), np.dtype(dtype)
+        self._tmp = Path(f"{path}.tmp")
+        self._tar = wds.TarWriter(str(self._tmp), mtime=0, user="", group="", mode=0o644)
+        self._docs: List[np.ndarray] = []
+        self._block_tokens = 0
+        self._blocks = self.documents = self.tokens = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        self._docs.append(ids.astype(self.dtype, copy=False))
+        self._block_tokens += len(ids)
+        self.documents += 1
+        self.tokens += len(ids)
+        if self._block_tokens >= BLOCK_TOKENS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._docs:
+            self._tar.write({
+                "__key__": f"{self._blocks:06d}",
+                "tokens.npy": np.concatenate(self._docs),
+                "lengths.npy": np.array([len(d) for d in self._docs], np.int64),
+            })
+            self._blocks += 1
+        self._docs, self._block_tokens = [], 0
+
+    def close(self) -> ShardInfo:
+        self._flush()
+        self._tar.close()
+        os.replace(self._tmp, self.path)
+        return ShardInfo(self.path.name, self.documents, self.tokens)
+
+
+def read_documents(path) -> List[np.ndarray]:
+    """The documents of one shard, in order (views into the blocks' token arrays)."""
+    docs = []
+    try:
+        for sample in tarfile_samples([{"url": str(path)}]):
+            tokens = np.load(io.BytesIO(sample["tokens.npy"]))
+            lengths = np.load(io.BytesIO(sample["lengths.npy"]))
+            if lengths.sum() != len(tokens):
+                raise ValueError(f"block {sample['__key__']!r}: lengths do not add up to the token count")
+            docs.extend(np.split(tokens, np.cumsum(lengths)[:-1]))
+    except KeyError as e:
+        raise ValueError(f"cannot read shard {path}: a block has no {e.args[0]!r} member") from None
+    except (tarfile.TarError, OSError, ValueError) as e:  # webdataset appends its stream to e.args
+        raise ValueError(f"cannot read shard {path}: {e.args[0] if e.args else e!r}") from None
+    return docs

@@ -1,0 +1,46 @@
+"""Core (softmax) attention modules for the layer specs: q, k, v in, output out.
+
+Both take q [b, sq, h, d_k], k [b, sk, h, d_k], v [b, sk, h, d_v] with the queries
+at the last sq positions (bottom-right causal), which serves training (sq == sk),
+prefill after a cached prefix, and one-token decode alike.
+"""
+
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+from oryx_megatron.config import OryxConfig
+from oryx_megatron.ops import get_kernels
+
+
+class SDPAttention(MegatronModule):
+    """Local backend: torch scaled_dot_product_attention (flash on CUDA, math on CPU)."""
+
+    def __init__(self, config: OryxConfig, layer_number: int = 1):
+        super().__init__(config)
+        self.causal_attention = get_kernels(config.kernel_backend).causal_attention
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self.causal_attention(q, k, v)
+
+
+class TEAttention(MegatronModule):
+    """Transformer Engine backend: ``transformer_engine.pytorch.DotProductAttention``."""
+
+    def __init__(self, config: OryxConfig, layer_number: int = 1):
+        super().__init__(config)
+        import transformer_engine.pytorch as te
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.attention = te.DotProductAttention(
+            num_attention_heads=config.num_attention_heads // tp,
+            kv_channels=(config.kv_channels, config.value_head_dim),
+            attention_dropout=config.attention_dropout,
+            qkv_format="bshd",
+            attn_mask_type="causal_bottom_right",
+            layer_number=layer_number,
+        )
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        b, sq, h, _ = q.shape
+        return self.attention(q, k, v).view(b, sq, h, -1)  # TE returns [b, sq, h * d_v]

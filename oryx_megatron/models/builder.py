@@ -1,0 +1,143 @@
+"""Model recipes (the ``model`` config group under recipes/) -> megatron configs and models.
+
+Families: ``oryx_tg`` (attention + Gated DeltaNet), ``oryx_tm`` (attention + Mamba-2),
+the single-mixer baselines ``gdn`` and ``mamba2`` (the same layer with one mixer), and
+``transformer`` (megatron's GPTModel with the matching local/TE spec).
+"""
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+
+from oryx_megatron.config import OryxConfig, cpu_friendly_defaults, swiglu_defaults
+from oryx_megatron.layers.norms import RMSNorm
+from oryx_megatron.models.oryx_model import OryxModel
+from oryx_megatron.models.specs import get_oryx_layer_spec
+
+FAMILY_MIXERS = {
+    "oryx_tg": "attention+gdn",
+    "oryx_tm": "attention+mamba2",
+    "gdn": "gdn",
+    "mamba2": "mamba2",
+    "transformer": None,
+}
+
+
+@dataclass
+class ModelArgs:
+    """Schema of a model recipe (recipes/model/*.yaml)."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    kv_channels: Optional[int] = None  # d_k; hidden_size // heads when unset
+    value_head_dim: Optional[int] = None  # d_v; d_k when unset
+    ffn_hidden_size: Optional[int] = None  # 4 * hidden_size when unset (megatron's default)
+    vocab_size: int = 50304  # the tokenizer's; the embedding is padded (see padded_vocab_size)
+    make_vocab_size_divisible_by: int = 128
+    max_sequence_length: int = 2048
+    share_embeddings_and_output_weights: bool = True
+    mixer_conv_kernel: int = 4
+    attention_query_conv: bool = False
+    linear_chunk_size: int = 64
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    transformer_impl: str = "local"  # or "transformer_engine"
+    kernel_backend: str = "auto"  # "torch" | "cuda" | "auto"
+
+
+def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
+    """An OryxConfig (or a TransformerConfig for ``transformer``) from a recipe.
+
+    ``parallel`` holds TransformerConfig fields set by the run, not the recipe:
+    tensor_model_parallel_size, sequence_parallel, pipeline_model_parallel_size,
+    params_dtype, bf16, perform_initialization, ...
+    """
+    if args.family not in FAMILY_MIXERS:
+        raise ValueError(f"model.family={args.family!r}: expected one of {sorted(FAMILY_MIXERS)}")
+    common = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        kv_channels=args.kv_channels,
+        ffn_hidden_size=args.ffn_hidden_size,
+        init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon,
+        **swiglu_defaults(),
+    )
+    if not torch.cuda.is_available():
+        common.update(cpu_friendly_defaults())
+    common.update(parallel)
+    if args.family == "transformer":
+        return TransformerConfig(**common)
+    oryx_fields = {"value_head_dim", "mixer_conv_kernel", "attention_query_conv",
+                   "linear_chunk_size", "transformer_impl", "kernel_backend"}
+    extra = {f.name: getattr(args, f.name) for f in fields(args) if f.name in oryx_fields}
+    return OryxConfig(mixers=FAMILY_MIXERS[args.family], **common, **extra)
+
+
+def padded_vocab_size(args: ModelArgs, tensor_model_parallel_size: int = 1) -> int:
+    """The vocab rounded up to make_vocab_size_divisible_by, as Megatron-LM pads it.
+
+    Unlike Megatron-LM the padding does not scale with TP, so a checkpoint keeps its
+    shapes across TP sizes; the padded size must divide by the TP size.
+    """
+    multiple = args.make_vocab_size_divisible_by
+    padded = -(-args.vocab_size // multiple) * multiple
+    if padded % tensor_model_parallel_size:
+        raise ValueError(
+            f"model.make_vocab_size_divisible_by={multiple}: padded vocab {padded} does not "
+            f"divide by tensor_model_parallel_size={tensor_model_parallel_size}"
+        )
+    return padded
+
+
+def build_model(
+    args: ModelArgs, config: TransformerConfig, pre_process: bool = True, post_process: bool = True
+) -> torch.nn.Module:
+    """The model of this pipeline stage."""
+    model_kwargs = dict(
+        vocab_size=padded_vocab_size(args, config.tensor_model_parallel_size),
+        max_sequence_length=args.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=args.share_embeddings_and_output_weights,
+    )
+    if args.family == "transformer":
+        return TransformerBaseline(config, _gpt_layer_spec(args.transformer_impl), **model_kwargs)
+    return OryxModel(config, get_oryx_layer_spec(args.transformer_impl), **model_kwargs)
+
+
+def _gpt_layer_spec(transformer_impl: str):
+    if transformer_impl == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    # megatron's WrappedTorchNorm refuses sequence parallelism; ours supports it.
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    return spec
+
+
+class TransformerBaseline(GPTModel):
+    """megatron's GPTModel (RoPE, SwiGLU, RMSNorm) with OryxModel's call signature.
+
+    ``modes`` is accepted and ignored: a Transformer reads every token with attention.
+    """
+
+    def __init__(self, config, transformer_layer_spec, **kwargs):
+        super().__init__(config, transformer_layer_spec, position_embedding_type="rope", **kwargs)
+
+    def forward(self, input_ids, modes=None, labels=None, inference_cache=None):
+        if inference_cache is not None:
+            raise NotImplementedError("TransformerBaseline has no inference cache yet")
+        s = input_ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
+        return super().forward(input_ids, position_ids=None, attention_mask=causal, labels=labels)

@@ -1,0 +1,149 @@
+"""OryxModel: embedding -> decoder (N Oryx layers, final norm) -> output layer, a megatron
+LanguageModule laid out like GPTModel.
+
+The per-token ``modes`` [b, s] enter ``forward`` with the batch and reach every layer;
+the same modes apply to every layer for a token. Pipeline stages build only their
+layers (``pre_process``/``post_process`` as in megatron's GPTModel).
+"""
+
+from typing import List, Optional
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    sharded_state_dict_default,
+)
+from torch import Tensor
+
+from oryx_megatron.config import OryxConfig
+from oryx_megatron.layers.multi_mixer import MixerCache
+
+
+class OryxBlock(MegatronModule):
+    """The layers of this pipeline stage, and the final norm on the last stage."""
+
+    def __init__(self, config: OryxConfig, layer_spec: ModuleSpec, post_process: bool = True):
+        super().__init__(config)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        offset = get_transformer_layer_offset(config)
+        self.layers = torch.nn.ModuleList(
+            build_module(layer_spec, config=config, layer_number=offset + i + 1)
+            for i in range(get_num_layers_to_build(config))
+        )
+        self.final_layernorm = None
+        if post_process:
+            self.final_layernorm = build_module(
+                layer_spec.submodules.input_layernorm,
+                config=config,
+                hidden_size=config.hidden_size,
+                eps=config.layernorm_epsilon,
+            )
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        modes: Optional[Tensor] = None,
+        inference_cache: Optional[List[MixerCache]] = None,
+    ) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            cache = inference_cache[i] if inference_cache is not None else None
+            hidden_states = layer(hidden_states, modes, cache)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Layers are keyed by their global number, so checkpoints reshard across PP stages."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sharded = {}
+        for layer in self.layers:
+            layer_prefix = f"{prefix}layers.{layer.layer_number - 1}."
+            sharded.update(layer.sharded_state_dict(layer_prefix, sharded_offsets, metadata))
+        if self.final_layernorm is not None:
+            sharded.update(
+                sharded_state_dict_default(
+                    self.final_layernorm, f"{prefix}final_layernorm.", sharded_offsets, metadata,
+                    tp_group=self.tp_group,
+                )
+            )
+        return sharded
+
+
+class OryxModel(LanguageModule):
+    def __init__(
+        self,
+        config: OryxConfig,
+        layer_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        share_embeddings_and_output_weights: bool = True,
+        parallel_output: bool = True,
+    ):
+        super().__init__(config)
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.parallel_output = parallel_output
+        self.input_tensor = None  # activations from the previous pipeline stage
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config, vocab_size, max_sequence_length, position_embedding_type="none",
+                tp_group=self.tp_group,
+            )
+        self.decoder = OryxBlock(config, layer_spec, post_process)
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=not parallel_output,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                tp_group=self.tp_group,
+            )
+        if pre_process or post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Megatron's pipeline schedules hand a stage its input here."""
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        modes: Optional[Tensor] = None,
+        labels: Optional[Tensor] = None,
+        inference_cache: Optional[List[MixerCache]] = None,
+    ) -> Tensor:
+        """input_ids, modes, labels: [b, s]. Returns the loss [b, s] given labels, else logits
+        [b, s, vocab] (vocab-parallel unless parallel_output=False); a middle pipeline stage
+        returns hidden states [s, b, hidden]."""
+        hidden = self.embedding(input_ids, position_ids=None) if self.pre_process else self.input_tensor
+        hidden = self.decoder(hidden, modes, inference_cache)
+        if not self.post_process:
+            return hidden
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab / tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
+
+    def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None) -> List[MixerCache]:
+        """One empty cache per layer of this stage."""
+        return [
+            layer.mixer.allocate_inference_cache(batch_size, dtype, device)
+            for layer in self.decoder.layers
+        ]

@@ -1,0 +1,67 @@
+"""Depthwise causal short convolution with a carried state, pure PyTorch.
+
+With xpad = concat(state, x) along time, y[t, c] = act(bias[c] + sum_j weight[c, j] * xpad[t + j, c]):
+weight[:, -1] multiplies the current token (nn.Conv1d with left padding, as causal-conv1d).
+The state is the last w - 1 inputs (pre-activation), [b, c, w - 1].
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation == "silu":
+        return F.silu(y)
+    raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    activation: Optional[str] = "silu",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv over a sequence.
+
+    Args:
+        x: [b, s, c]; weight: [c, w]; bias: [c] or None;
+        initial_state: [b, c, w - 1] (the previous inputs) or None (zeros); activation: "silu" or None.
+    Returns:
+        y [b, s, c] and final state [b, c, w - 1] (the last w - 1 inputs of concat(state, x)),
+        both in x's dtype; the sum runs in the promoted dtype of x and weight.
+    """
+    b, s, c = x.shape
+    w = weight.shape[1]
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    if initial_state is None:
+        initial_state = x.new_zeros(b, c, w - 1)
+    xpad = torch.cat([initial_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [b, c, w - 1 + s]
+    bias = None if bias is None else bias.to(dtype)
+    y = F.conv1d(xpad.to(dtype), weight.to(dtype)[:, None], bias, groups=c)  # [b, c, s]
+    return _activate(y, activation).transpose(1, 2).to(x.dtype), xpad[:, :, s:].contiguous()
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation: Optional[str] = "silu",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token of the causal conv.
+
+    Args:
+        x: [b, c]; state: [b, c, w - 1]; weight: [c, w]; bias: [c] or None.
+    Returns:
+        y [b, c] and the new state [b, c, w - 1], both in x's dtype.
+    """
+    window = torch.cat([state.to(x.dtype), x[..., None]], dim=-1)  # [b, c, w]
+    y = (window * weight).sum(-1)  # [b, c]
+    if bias is not None:
+        y = y + bias
+    return _activate(y, activation).to(x.dtype), window[..., 1:]

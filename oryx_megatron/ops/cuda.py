@@ -1,0 +1,149 @@
+"""CUDA kernels behind the signatures of the pure-torch ops: flash-linear-attention (gated delta
+rule), mamba-ssm (SSD), causal-conv1d (short conv) and torch SDPA (attention; torch picks the
+flash backend on CUDA).
+
+The libraries are imported inside the functions, so this module imports anywhere. Inputs a kernel
+does not take (CPU tensors, fp64; fp32 for fla's chunked kernel) run the torch op instead, so the
+numbers never depend on where a tensor happens to live.
+"""
+
+import importlib
+from typing import Optional, Tuple
+
+import torch
+
+from . import conv, gated_delta_rule, ssd
+from .attention import causal_attention  # noqa: F401  (same SDPA call on every device)
+
+# op -> (implementation name, modules its kernel imports)
+IMPLEMENTATIONS = {
+    "causal_conv1d": ("causal_conv1d", ("causal_conv1d",)),
+    "causal_conv1d_step": ("causal_conv1d", ("causal_conv1d",)),
+    "chunk_gated_delta_rule": ("fla", ("fla.ops.gated_delta_rule",)),
+    "gated_delta_rule_step": ("fla", ("fla.ops.gated_delta_rule",)),
+    "ssd_chunk_scan": ("mamba_ssm", ("mamba_ssm.ops.triton.ssd_combined",)),
+    "ssd_step": ("mamba_ssm", ("mamba_ssm.ops.triton.selective_state_update",)),
+    "causal_attention": ("sdpa", ()),
+}
+PIP_PACKAGES = {"causal_conv1d": "causal-conv1d", "fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm"}
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def unavailable(op: str) -> Optional[str]:
+    """Why the CUDA implementation of `op` cannot run here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    name, modules = IMPLEMENTATIONS[op]
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # a broken triton / CUDA build raises more than ImportError
+            return f"cannot import {module} (pip install {PIP_PACKAGES[name]}): {e!r}"
+    return None
+
+
+def _kernel_takes(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _KERNEL_DTYPES) -> bool:
+    return x.is_cuda and x.dtype in dtypes
+
+
+def causal_conv1d(x, weight, bias=None, initial_state=None, activation="silu"):
+    """causal-conv1d's `causal_conv1d_fn`; shapes as `conv.causal_conv1d` (x [b, s, c])."""
+    if not _kernel_takes(x):
+        return conv.causal_conv1d(x, weight, bias, initial_state, activation)
+    from causal_conv1d import causal_conv1d_fn
+
+    # states in and out need channel-last [b, c, s] inputs (stride(1) == 1): views of [b, s, c]
+    if initial_state is not None:
+        initial_state = initial_state.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)  # [b, c, w-1]
+    y, final_state = causal_conv1d_fn(
+        x.contiguous().transpose(1, 2),  # [b, c, s]
+        weight,
+        bias,
+        initial_states=initial_state,
+        return_final_states=True,
+        activation=activation,
+    )  # y [b, c, s], final_state [b, c, w - 1]
+    return y.transpose(1, 2), final_state
+
+
+def causal_conv1d_step(x, state, weight, bias=None, activation="silu"):
+    """causal-conv1d's `causal_conv1d_update`; shapes as `conv.causal_conv1d_step` (x [b, c])."""
+    if not _kernel_takes(x):
+        return conv.causal_conv1d_step(x, state, weight, bias, activation)
+    from causal_conv1d import causal_conv1d_update
+
+    new_state = state.to(x.dtype, copy=True, memory_format=torch.contiguous_format)  # updated in place
+    y = causal_conv1d_update(x, new_state, weight, bias, activation)  # [b, c]
+    return y, new_state
+
+
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64
+):
+    """fla's `chunk_gated_delta_rule` (fp16/bf16 only; it uses its own chunk size of 64);
+    shapes as `gated_delta_rule.chunk_gated_delta_rule`."""
+    if not _kernel_takes(q, (torch.float16, torch.bfloat16)):
+        return gated_delta_rule.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size
+        )
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+    o, final_state = fla_chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state,
+    )  # o [b, s, h, d_v], final_state [b, h, d_k, d_v] fp32
+    return o.to(v.dtype), final_state
+
+
+def gated_delta_rule_step(q, k, v, g, beta, state, scale=None):
+    """fla's `fused_recurrent_gated_delta_rule` on one token; shapes as
+    `gated_delta_rule.gated_delta_rule_step` (q [b, h, d_k])."""
+    if not _kernel_takes(q):
+        return gated_delta_rule.gated_delta_rule_step(q, k, v, g, beta, state, scale)
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    o, new_state = fused_recurrent_gated_delta_rule(
+        q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],  # [b, 1, h, ...]
+        scale=scale, initial_state=state, output_final_state=True,
+    )
+    return o[:, 0].to(v.dtype), new_state
+
+
+def ssd_chunk_scan(x, dt, A, B, C, D=None, initial_state=None, output_final_state=True, chunk_size=64):
+    """mamba-ssm's `mamba_chunk_scan_combined` with ngroups = nheads; shapes as
+    `ssd.ssd_chunk_scan` (states [b, h, n, p]; mamba's are [b, h, p, n])."""
+    if not _kernel_takes(x):
+        return ssd.ssd_chunk_scan(x, dt, A, B, C, D, initial_state, output_final_state, chunk_size)
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    if initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2).contiguous()  # [b, h, p, n]
+    out = mamba_chunk_scan_combined(
+        x, dt, A, B, C, chunk_size, D=D, initial_states=initial_state, return_final_states=output_final_state
+    )
+    if not output_final_state:
+        return out, None
+    y, final_state = out  # [b, s, h, p], [b, h, p, n] fp32
+    return y, final_state.transpose(-1, -2)
+
+
+def ssd_step(x, dt, A, B, C, state, D=None):
+    """mamba-ssm's `selective_state_update` (per-head dt, A, D broadcast over head_dim); shapes as
+    `ssd.ssd_step` (state [b, h, n, p])."""
+    if not _kernel_takes(x):
+        return ssd.ssd_step(x, dt, A, B, C, state, D)
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+
+    p, n = x.shape[-1], B.shape[-1]
+    new_state = state.transpose(-1, -2).clone(memory_format=torch.contiguous_format)  # [b, h, p, n], in place
+    y = selective_state_update(
+        new_state,
+        x,  # [b, h, p]
+        dt[..., None].expand(-1, -1, p),  # [b, h, p]
+        A[:, None, None].expand(-1, p, n),  # [h, p, n]
+        B,  # [b, h, n]  (ngroups = nheads)
+        C,
+        D=None if D is None else D[:, None].expand(-1, p),  # [h, p]
+    )  # [b, h, p]
+    return y, new_state.transpose(-1, -2)

@@ -1,0 +1,29 @@
+"""Rotary position embedding, non-interleaved rotate-half convention (as Megatron / Llama)."""
+
+from typing import Tuple
+
+import torch
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles positions * base ** (-2i / dim), computed in fp64.
+
+    Args:
+        positions: [s] (long; any leading shape works, e.g. [b, s]); dim: even rotary dim.
+    Returns:
+        cos, sin: [s, dim] in dtype; both halves of the last dim repeat the dim / 2 frequencies.
+    """
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # [s, dim / 2]
+    angles = torch.cat([angles, angles], dim=-1)  # [s, dim]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, s, h, dim] by cos, sin [s, dim] (or [b, s, dim]), in x's dtype:
+    x * cos + rotate_half(x) * sin with rotate_half([x1, x2]) = [-x2, x1]."""
+    cos, sin = (t.to(x.dtype)[..., None, :] for t in (cos, sin))  # [s, 1, dim]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin

@@ -1,0 +1,104 @@
+"""oryx-params: parameter counts of a model recipe, and how much the two modes share.
+
+    oryx-params model=oryx_tg_1_4b
+
+The model is built on the meta device (no weights are allocated), so the counts are
+those of the real modules. The tied fraction of a mode is (parameters that mode uses
+which the other mode also uses) / (all parameters that mode uses, embeddings
+included); ``shared_fraction`` is the smaller of the two (the paper claims >= 0.90).
+"""
+
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from oryx_megatron.models.builder import ModelArgs, build_model, transformer_config
+from oryx_megatron.parallel import initialize_parallel
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+COMPONENTS = ("embedding", "mixer", "mlp", "norm", "output_layer")
+
+
+def load_model_args(overrides: List[str]) -> ModelArgs:
+    """Compose recipes/oryx_params.yaml with Hydra overrides, checked against ModelArgs."""
+    with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
+        cfg = compose("oryx_params", overrides=overrides)
+    schema = OmegaConf.structured(ModelArgs)
+    return OmegaConf.to_object(OmegaConf.merge(schema, cfg.model))
+
+
+def count_parameters(model: torch.nn.Module) -> Dict[str, int]:
+    """Parameters per component, and per mode for the mixers ('mixer_shared',
+    'mixer_attention', 'mixer_linear')."""
+    counts = Counter()
+    for name, param in model.named_parameters():
+        component = next(
+            (c for c in COMPONENTS if c in name.replace("self_attention", "mixer")), "other"
+        )
+        counts[component] += param.numel()
+    for module in model.modules():
+        if hasattr(module, "parameter_counts"):
+            for use, n in module.parameter_counts().items():
+                counts[f"mixer_{use}"] += n
+    if "mixer_shared" not in counts:  # Transformer baseline: one mixer, all of it used
+        counts["mixer_shared"] = counts["mixer"]
+    return dict(counts)
+
+
+def tied_fractions(counts: Dict[str, int]) -> Dict[str, float]:
+    """Tied fraction per mode of a multi-mixer model; a single-mixer model ties everything."""
+    total = sum(counts[c] for c in COMPONENTS + ("other",) if c in counts)
+    shared = total - counts.get("mixer_attention", 0) - counts.get("mixer_linear", 0)
+    return {
+        mode: shared / (shared + counts.get(f"mixer_{mode}", 0)) for mode in ("attention", "linear")
+    }
+
+
+def parameter_report(args: ModelArgs) -> dict:
+    """Counts and tied fractions of a recipe's model, built on the meta device."""
+    initialize_parallel()
+    config = transformer_config(args, perform_initialization=False)
+    with torch.device("meta"):
+        model = build_model(args, config)
+    counts = count_parameters(model)
+    total = sum(p.numel() for p in model.parameters())
+    fractions = tied_fractions(counts)
+    specific = counts.get("mixer_attention", 0) + counts.get("mixer_linear", 0)
+    return dict(
+        config=config,
+        total=total,
+        counts=counts,
+        tied_fraction=fractions,
+        single_mixer_fraction=specific / total,
+        shared_fraction=min(fractions.values()),
+    )
+
+
+def main(argv=None) -> None:
+    overrides = sys.argv[1:] if argv is None else argv
+    args = load_model_args(overrides)
+    report = parameter_report(args)
+    config, counts = report["config"], report["counts"]
+    print(f"model: family={args.family} layers={args.num_layers} hidden={args.hidden_size} "
+          f"heads={args.num_attention_heads} d_k={config.kv_channels} "
+          f"d_v={getattr(config, 'value_head_dim', config.kv_channels)} ffn={config.ffn_hidden_size} "
+          f"vocab={args.vocab_size} tied_embeddings={args.share_embeddings_and_output_weights}")
+    print(f"total_params={report['total']:,}")
+    for component in COMPONENTS + ("other",):
+        if counts.get(component):
+            print(f"  {component:<16}{counts[component]:>15,}")
+    for use in ("shared", "attention", "linear"):
+        print(f"  mixer_{use:<10}{counts.get(f'mixer_{use}', 0):>15,}")
+    for mode, fraction in report["tied_fraction"].items():
+        print(f"tied_fraction[{mode}]={fraction:.4f}")
+    print(f"single_mixer_fraction={report['single_mixer_fraction']:.4f}")
+    print(f"shared_fraction={report['shared_fraction']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

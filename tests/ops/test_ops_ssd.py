@@ -1,0 +1,110 @@
+"""Chunked SSD scan == a Python loop of the single-token step (the naive recurrence)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oryx_megatron.ops import ssd_chunk_scan, ssd_step
+
+B, H, P, N = 2, 3, 4, 5
+
+
+def make_inputs(s, dtype=torch.float64, seed=0, dt_shift=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    return dict(
+        x=rand(B, s, H, P).to(dtype),
+        dt=F.softplus(rand(B, s, H) + dt_shift).to(dtype),
+        A=-torch.exp(rand(H)).to(dtype),
+        B=rand(B, s, H, N).to(dtype),
+        C=rand(B, s, H, N).to(dtype),
+        D=rand(H).to(dtype),
+    ), rand(B, H, N, P).to(dtype)
+
+
+def loop_steps(x, dt, A, B, C, D=None, initial_state=None):
+    state = torch.zeros(x.shape[0], H, N, P, dtype=torch.float64) if initial_state is None else initial_state
+    outs = []
+    for t in range(x.shape[1]):
+        y, state = ssd_step(x[:, t], dt[:, t], A, B[:, t], C[:, t], state, D=D)
+        outs.append(y)
+    return torch.stack(outs, dim=1), state
+
+
+@pytest.mark.parametrize("s,chunk_size", [(37, 16), (64, 16), (1, 16), (5, 64)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_equals_step_loop_fp64_with_grads(s, chunk_size, with_state):
+    inputs, h0 = make_inputs(s)
+    leaves = {**inputs, **({"initial_state": h0} if with_state else {})}
+    leaves = {name: t.clone().requires_grad_() for name, t in leaves.items()}
+    y, state = ssd_chunk_scan(**leaves, chunk_size=chunk_size)
+    y_ref, state_ref = loop_steps(**leaves)
+
+    assert y.shape == (B, s, H, P) and state.shape == (B, H, N, P)
+    assert (y - y_ref).abs().max() < 1e-9
+    assert (state - state_ref).abs().max() < 1e-9
+
+    gen = torch.Generator().manual_seed(1)
+    w_y, w_s = (torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in (y, state))
+    grads = torch.autograd.grad((y * w_y).sum() + (state * w_s).sum(), list(leaves.values()))
+    grads_ref = torch.autograd.grad((y_ref * w_y).sum() + (state_ref * w_s).sum(), list(leaves.values()))
+    for name, grad, grad_ref in zip(leaves, grads, grads_ref):
+        assert (grad - grad_ref).abs().max() < 1e-9, name
+    nontrivial = dict(zip(leaves, grads_ref))
+    assert all(nontrivial[name].abs().max() > 0 for name in ("x", "dt", "B", "C", "D"))
+
+
+def test_without_skip_and_final_state():
+    inputs, h0 = make_inputs(21)
+    inputs["D"] = None
+    y, state = ssd_chunk_scan(**inputs, initial_state=h0, output_final_state=False, chunk_size=8)
+    y_ref, _ = loop_steps(**inputs, initial_state=h0)
+    assert state is None
+    assert (y - y_ref).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("split", [20, 16])
+def test_split_with_carried_state_equals_one_call(split):
+    inputs, h0 = make_inputs(37)
+    y, state = ssd_chunk_scan(**inputs, initial_state=h0, chunk_size=16)
+    per_token = ("x", "dt", "B", "C")
+    first = {name: t[:, :split] if name in per_token else t for name, t in inputs.items()}
+    second = {name: t[:, split:] if name in per_token else t for name, t in inputs.items()}
+    y1, state1 = ssd_chunk_scan(**first, initial_state=h0, chunk_size=16)
+    y2, state2 = ssd_chunk_scan(**second, initial_state=state1, chunk_size=16)
+    assert (torch.cat([y1, y2], dim=1) - y).abs().max() < 1e-12
+    assert (state2 - state).abs().max() < 1e-12
+
+
+def test_fp32_matches_step_and_keeps_dtype():
+    inputs, h0 = make_inputs(37, dtype=torch.float32)
+    y, state = ssd_chunk_scan(**inputs, initial_state=h0, chunk_size=16)
+    y_ref, state_ref = loop_steps(**inputs, initial_state=h0)
+    assert y.dtype == torch.float32 and state.dtype == torch.float32 and y_ref.dtype == torch.float32
+    assert (y - y_ref).abs().max() < 1e-5 * y_ref.abs().max()
+    assert (state - state_ref).abs().max() < 1e-5 * state_ref.abs().max()
+
+
+def test_strong_decay_stays_finite_fp32():
+    """Large dt (cumulative log-decays of -1000s across chunks) must not overflow."""
+    inputs, h0 = make_inputs(64, dtype=torch.float32, dt_shift=30.0)
+    leaves = {name: t.clone().requires_grad_() for name, t in {**inputs, "initial_state": h0}.items()}
+    y, state = ssd_chunk_scan(**leaves, chunk_size=16)
+    y_ref, state_ref = loop_steps(**leaves)
+    assert (y - y_ref).abs().max() < 1e-5 * y_ref.abs().max()
+    assert (state - state_ref).abs().max() < 1e-5 * state_ref.abs().max()
+    grads = torch.autograd.grad(y.sum() + state.sum(), list(leaves.values()))
+    assert all(torch.isfinite(grad).all() for grad in grads)
+
+
+def test_bf16_inputs_give_bf16_output_and_fp32_state():
+    inputs, h0 = make_inputs(37)
+    y_ref, state_ref = ssd_chunk_scan(**inputs, initial_state=h0, chunk_size=16)
+    low = {name: t.to(torch.bfloat16) if name in ("x", "B", "C") else t.float() for name, t in inputs.items()}
+    y, state = ssd_chunk_scan(**low, initial_state=h0.float(), chunk_size=16)
+    x, dt, A, B_, C, D = low.values()
+    y_step, state_step = ssd_step(x[:, 0], dt[:, 0], A, B_[:, 0], C[:, 0], h0.float(), D=D)
+    assert y.dtype == torch.bfloat16 and state.dtype == torch.float32
+    assert y_step.dtype == torch.bfloat16 and state_step.dtype == torch.float32
+    assert (y.double() - y_ref).abs().max() < 0.02 * y_ref.abs().max()
+    assert (state.double() - state_ref).abs().max() < 0.02 * state_ref.abs().max()

@@ -1,0 +1,85 @@
+"""OryxModel end to end on CPU: forward/backward, decode with caches, config errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from oryx_megatron.config import OryxConfig
+from oryx_megatron.models.builder import build_model, padded_vocab_size, transformer_config
+from tests.helpers import tiny_args
+
+pytestmark = pytest.mark.usefixtures("single_process_parallel")
+
+
+def tiny_model(family, dtype=torch.float32, seed=0):
+    args = tiny_args(family)
+    torch.manual_seed(seed)
+    return build_model(args, transformer_config(args, params_dtype=dtype)), args
+
+
+def batch(args, b=2, s=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, args.vocab_size, (b, s + 1), generator=g)
+    modes = torch.randint(0, 2, (b, -(-s // 8)), generator=g, dtype=torch.int8).repeat_interleave(8, 1)
+    return ids[:, :-1], ids[:, 1:], modes[:, :s]
+
+
+@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer"])
+def test_forward_backward_reaches_every_parameter(family):
+    model, args = tiny_model(family)
+    tokens, labels, modes = batch(args)
+    loss = model(tokens, modes, labels=labels)
+    assert loss.shape == tokens.shape
+    # At initialisation the loss is close to uniform over the (padded) vocab.
+    assert abs(loss.mean().item() - torch.log(torch.tensor(128.0)).item()) < 0.5
+    loss.mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"no gradient reaches {name}"
+
+
+@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
+def test_model_decode_with_cache_equals_parallel_logits(family):
+    model, args = tiny_model(family, dtype=torch.float64)
+    tokens, _, modes = batch(args, s=17)
+    logits = model(tokens, modes)
+    cache = model.allocate_inference_cache(tokens.shape[0], torch.float64)
+    prefill = model(tokens[:, :9], modes[:, :9], inference_cache=cache)
+    steps = [model(tokens[:, t : t + 1], modes[:, t : t + 1], inference_cache=cache) for t in range(9, 17)]
+    assert (torch.cat([prefill] + steps, dim=1) - logits).abs().max() < 1e-9
+
+
+def test_modes_change_the_output_of_a_multi_mixer_model_only():
+    oryx, args = tiny_model("oryx_tg")
+    gdn, _ = tiny_model("gdn")
+    tokens, _, modes = batch(args)
+    with torch.no_grad():
+        assert (oryx(tokens, modes) - oryx(tokens, 1 - modes)).abs().max() > 1e-3
+        assert torch.equal(gdn(tokens, modes), gdn(tokens, 1 - modes))
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(mixers="attention+lstm"), r"mixers='attention\+lstm'"),
+        (dict(mixers="gdn+mamba2"), r"mixers='gdn\+mamba2': at most one linear mixer"),
+        (dict(mixer_conv_activation="relu"), r"mixer_conv_activation='relu'"),
+        (dict(kv_channels=15), r"kv_channels=15 must be even"),
+        (dict(tensor_model_parallel_size=3), r"num_attention_heads \(4\) must be a multiple of tensor_model_parallel_size \(3\)"),
+        (dict(transformer_impl="apex"), r"transformer_impl='apex'"),
+    ],
+)
+def test_invalid_config_names_the_field(fields, message):
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16)
+    with pytest.raises(ValueError, match=message):
+        OryxConfig(**{**base, **fields})
+
+
+def test_unknown_family_and_vocab_padding_errors():
+    with pytest.raises(ValueError, match=r"model.family='rwkv'"):
+        transformer_config(tiny_args("rwkv"))
+    args = tiny_args("oryx_tg", vocab_size=97)
+    assert padded_vocab_size(args) == 128
+    assert padded_vocab_size(dataclasses.replace(args, make_vocab_size_divisible_by=1), 1) == 97
+    with pytest.raises(ValueError, match=r"make_vocab_size_divisible_by=1: padded vocab 97 .* tensor_model_parallel_size=2"):
+        padded_vocab_size(dataclasses.replace(args, make_vocab_size_divisible_by=1), 2)

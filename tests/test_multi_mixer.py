@@ -1,0 +1,126 @@
+"""THE invariant: the parallel forward equals step-by-step decode for any mode pattern (fp64)."""
+
+import pytest
+import torch
+
+from oryx_megatron.data.modes import Mode
+from tests.helpers import build_mixer
+
+pytestmark = pytest.mark.usefixtures("single_process_parallel")
+
+B, S, HIDDEN = 2, 29, 64  # S is not a multiple of the kernel chunk (8)
+FAMILIES = ["oryx_tg", "oryx_tm"]
+
+
+def random_modes(seed, chunk=None):
+    g = torch.Generator().manual_seed(seed)
+    if chunk is None:
+        return torch.randint(0, 2, (B, S), generator=g, dtype=torch.int8)
+    per_chunk = torch.randint(0, 2, (B, -(-S // chunk)), generator=g, dtype=torch.int8)
+    return per_chunk.repeat_interleave(chunk, dim=1)[:, :S]
+
+
+def hidden_states(seed=0, s=S):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(s, B, HIDDEN, generator=g, dtype=torch.float64)
+
+
+def run_parallel(mixer, x, modes):
+    out, _ = mixer(x, modes)
+    return out
+
+
+def run_decode(mixer, x, modes, prefill=0):
+    """Prefill the first `prefill` tokens with the parallel path, then decode one by one."""
+    cache = mixer.allocate_inference_cache(B, torch.float64)
+    outs = []
+    if prefill:
+        outs.append(mixer(x[:prefill], modes[:, :prefill], inference_cache=cache)[0])
+    for t in range(prefill, x.shape[0]):
+        outs.append(mixer.step(x[t : t + 1], modes[:, t], cache)[0])
+    assert cache.seqlen == x.shape[0]
+    return torch.cat(outs, dim=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("chunk", [None, 4, 16], ids=["per-token", "chunk4", "chunk16"])
+def test_parallel_forward_equals_step_by_step_decode(family, chunk):
+    mixer = build_mixer(family)
+    x, modes = hidden_states(), random_modes(1, chunk)
+    ref = run_parallel(mixer, x, modes)
+    assert (run_decode(mixer, x, modes) - ref).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prefill", [1, 8, 13, 28])
+def test_prefill_then_decode_equals_parallel(family, prefill):
+    mixer = build_mixer(family)
+    x, modes = hidden_states(2), random_modes(3, chunk=4)
+    ref = run_parallel(mixer, x, modes)
+    assert (run_decode(mixer, x, modes, prefill=prefill) - ref).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_linear_prefill_then_attention_answer(family):
+    """The paper's mixed mode: a long context read linearly, the answer with attention."""
+    mixer = build_mixer(family)
+    x = hidden_states(4)
+    modes = torch.zeros(B, S, dtype=torch.int8)
+    modes[:, 24:] = Mode.ATTENTION
+    ref = run_parallel(mixer, x, modes)
+    assert (run_decode(mixer, x, modes, prefill=24) - ref).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_token_reads_its_modes_mixer_over_all_earlier_tokens(family):
+    """Both memories absorb every token: a mixed run equals, token by token, the
+    single-mode run of the token's own mode."""
+    mixer = build_mixer(family)
+    x, modes = hidden_states(5), random_modes(6)
+    ones = torch.ones(B, S, dtype=torch.int8)
+    all_attention = run_parallel(mixer, x, ones * Mode.ATTENTION)
+    all_linear = run_parallel(mixer, x, ones * Mode.LINEAR)
+    expected = torch.where((modes == Mode.ATTENTION).T[:, :, None], all_attention, all_linear)
+    assert (run_parallel(mixer, x, modes) - expected).abs().max() < 1e-12
+    assert (all_attention - all_linear).abs().max() > 1e-3  # the two mixers do differ
+
+
+def copy_shared_weights(src, dst):
+    """Give `dst` (a single-mixer layer) the weights of `src` (the multi-mixer) it has."""
+    h, hidden = src.num_heads, src.config.hidden_size
+    src_rows = dict(zip(src.streams, src.linear_in.weight.view(h, -1, hidden).split(list(src.streams.values()), 1)))
+    with torch.no_grad():
+        dst.linear_in.weight.copy_(torch.cat([src_rows[n] for n in dst.streams], dim=1).view(-1, hidden))
+        dst.linear_out.weight.copy_(src.linear_out.weight)
+        for name in dst.head_params:
+            getattr(dst, name).copy_(getattr(src, name))
+
+
+@pytest.mark.parametrize(
+    "family,single,mode",
+    [("oryx_tg", "gdn", Mode.LINEAR), ("oryx_tm", "mamba2", Mode.LINEAR), ("oryx_tg", "attention", Mode.ATTENTION)],
+)
+def test_single_mode_equals_the_single_mixer_layer(family, single, mode):
+    multi = build_mixer(family)
+    alone = build_mixer(family, seed=1, mixers=single)
+    assert alone.config.mixer_list == (single,)
+    copy_shared_weights(multi, alone)
+    x = hidden_states(7)
+    modes = torch.full((B, S), int(mode), dtype=torch.int8)
+    assert (run_parallel(multi, x, modes) - run_parallel(alone, x, None)).abs().max() < 1e-12
+
+
+def test_multi_mixer_requires_modes():
+    mixer = build_mixer("oryx_tg")
+    with pytest.raises(ValueError, match=r"modes \[batch, seq\] is required .*attention\+gdn"):
+        mixer(hidden_states(), None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_forward_matches_float64(family):
+    mixer64 = build_mixer(family)
+    mixer32 = build_mixer(family, dtype=torch.float32)
+    x, modes = hidden_states(8), random_modes(9, chunk=4)
+    out32 = run_parallel(mixer32, x.float(), modes)
+    assert out32.dtype == torch.float32
+    assert (out32.double() - run_parallel(mixer64, x, modes)).abs().max() < 1e-4

@@ -1,0 +1,123 @@
+"""Tensor parallelism is exact: TP=2 (with and without sequence parallel) equals TP=1 on the
+same full weights, for outputs, input gradients and parameter gradients (2 gloo processes, fp64).
+
+The full weights travel through megatron's distributed checkpoint: saved at TP=1, loaded
+at TP=2. The TP=2 parameter gradients travel back the same way (saved in place of the
+weights, loaded at TP=1), so the test also proves that checkpoints reshard across TP.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+
+from oryx_megatron.models.builder import build_model, transformer_config
+from oryx_megatron.parallel import initialize_parallel
+from tests.distributed import run_distributed
+from tests.helpers import build_mixer, tiny_args
+
+B, S, HIDDEN, VOCAB = 2, 24, 64, 97
+CASES = [("oryx_tg", False), ("oryx_tg", True), ("oryx_tm", False), ("oryx_tm", True)]
+
+
+def save(module, path: Path):
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(module.sharded_state_dict(), str(path))
+
+
+def load(module, path: Path):
+    module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(path)))
+
+
+def shard_sequence(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return t.chunk(tp, dim=dim)[parallel_state.get_tensor_model_parallel_rank()]
+
+
+# megatron's vocab-parallel cross entropy computes in fp32, whatever the model dtype;
+# everything before the loss is fp64.
+TOLERANCE = {"mixer": 1e-10, "model": 1e-5}
+
+
+def assert_close(actual, expected, what, tol):
+    diff = (actual - expected).abs().max().item()
+    assert diff < tol, f"{what}: max abs diff {diff:.3e} (tolerance {tol:.0e})"
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(S, B, HIDDEN, generator=g, dtype=torch.float64)
+    dy = torch.randn(S, B, HIDDEN, generator=g, dtype=torch.float64)
+    modes = torch.randint(0, 2, (B, S // 4), generator=g, dtype=torch.int8).repeat_interleave(4, 1)
+    ids = torch.randint(0, VOCAB, (B, S + 1), generator=g)
+    return x, dy, modes, ids
+
+
+def mixer_step(module, sequence_parallel):
+    """Mixer forward/backward; returns (output, input grad) as this rank holds them."""
+    x, dy, modes, _ = inputs()
+    if sequence_parallel:
+        x, dy = shard_sequence(x), shard_sequence(dy)
+    x = x.clone().requires_grad_()
+    out, _ = module(x, modes)
+    out.backward(dy)
+    return out.detach(), x.grad
+
+
+def model_step(module, sequence_parallel):
+    """Model loss forward/backward; returns (per-token loss, nothing)."""
+    _, _, modes, ids = inputs()
+    loss = module(ids[:, :-1], modes, labels=ids[:, 1:])
+    loss.sum().backward()
+    if sequence_parallel:  # what megatron's finalize_model_grads does for replicated norms
+        for p in module.parameters():
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
+    return loss.detach(), None
+
+
+def build(level, family, seed, **parallel):
+    if level == "mixer":
+        return build_mixer(family, seed=seed, parallel=parallel)
+    args = tiny_args(family)
+    torch.manual_seed(seed)
+    return build_model(args, transformer_config(args, params_dtype=torch.float64, **parallel))
+
+
+def _tp_equals_tp1(tmp: str, level: str):
+    step = mixer_step if level == "mixer" else model_step
+    for family, sp in CASES:
+        case = Path(tmp) / f"{family}-sp{int(sp)}"
+        initialize_parallel(tensor_model_parallel_size=1)
+        ref = build(level, family, seed=0)
+        out_ref, dx_ref = step(ref, sequence_parallel=False)
+        grads_ref = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        save(ref, case / "weights")
+
+        initialize_parallel(tensor_model_parallel_size=2)
+        tp2 = build(level, family, seed=1, tensor_model_parallel_size=2, sequence_parallel=sp)
+        load(tp2, case / "weights")
+        out, dx = step(tp2, sequence_parallel=sp)
+        shard = shard_sequence if (sp and level == "mixer") else (lambda t: t)
+        assert_close(out, shard(out_ref), f"{level} {family} sp={sp}: output", TOLERANCE[level])
+        if dx is not None:
+            assert_close(dx, shard(dx_ref), f"{level} {family} sp={sp}: input grad", TOLERANCE[level])
+        with torch.no_grad():
+            for p in tp2.parameters():
+                p.copy_(p.grad)
+        save(tp2, case / "grads")
+
+        initialize_parallel(tensor_model_parallel_size=1)
+        back = build(level, family, seed=2)
+        load(back, case / "grads")
+        for name, p in back.named_parameters():
+            assert_close(p, grads_ref[name], f"{level} {family} sp={sp}: grad of {name}", TOLERANCE[level])
+
+
+@pytest.mark.parametrize("level", ["mixer", "model"])
+def test_tensor_parallel_equals_single_rank(tmp_path, level):
+    run_distributed(_tp_equals_tp1, str(tmp_path), level)
