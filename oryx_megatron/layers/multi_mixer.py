@@ -20,8 +20,9 @@ dim 0 like any column-parallel weight. Convs, A_log, dt_bias, D and the norm wei
 are split with their heads; W_O is row-parallel.
 """
 
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -41,6 +42,8 @@ from oryx_megatron.config import OryxConfig
 from oryx_megatron.data.modes import Mode
 from oryx_megatron.layers.norms import gated_head_rms_norm, upcast
 from oryx_megatron.ops import apply_rotary, get_kernels, rotary_cos_sin
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,6 +78,8 @@ class MultiMixer(MegatronModule):
         super().__init__(config)
         self.layer_number = layer_number
         self.kernels = get_kernels(config.kernel_backend)
+        if layer_number == 1:
+            logger.info("MultiMixer kernels (%s): %s", config.kernel_backend, self.kernels.names)
         self.has_attention = config.has_attention
         self.linear_mixer = config.linear_mixer
         self.tp_group = tp_group = parallel_state.get_tensor_model_parallel_group()

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .gated_delta_rule import compute_dtype, from_chunks, segsum, to_chunks
+from .chunking import compute_dtype, from_chunks, segsum, to_chunks
 
 
 def ssd_chunk_scan(

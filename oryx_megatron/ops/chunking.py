@@ -1,0 +1,32 @@
+"""Chunking helpers shared by the chunked recurrences (gated delta rule, SSD)."""
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """dtype of the decay math and the recurrent state: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[b, s, h, d] -> [b, h, n, c, d] with n = ceil(s / c); the tail is zero-padded."""
+    b, s, h, d = x.shape
+    x = F.pad(x, (0, 0, 0, 0, 0, -s % chunk_size))
+    return x.reshape(b, -1, chunk_size, h, d).permute(0, 3, 1, 2, 4)
+
+
+def from_chunks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[b, h, n, c, d] -> [b, seq_len, h, d], dropping the padded tail."""
+    b, h, n, c, d = x.shape
+    return x.permute(0, 2, 3, 1, 4).reshape(b, n * c, h, d)[:, :seq_len]
+
+
+def segsum(a: torch.Tensor) -> torch.Tensor:
+    """Segment sums of log-decays: [..., T] -> [..., T, T] with out[i, j] = sum(a[j+1 : i+1]) for
+    j <= i and -inf above the diagonal, so exp(out) is the causal decay matrix. Summed directly
+    (not as a difference of cumsums), which stays accurate when the cumsums grow large."""
+    t = a.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=a.device).tril()
+    terms = a[..., :, None].expand(*a.shape, t).masked_fill(~causal.tril(-1), 0)  # [i, j] = a[i] for j < i
+    return terms.cumsum(-2).masked_fill(~causal, -torch.inf)
