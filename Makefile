@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test venv clean
+.PHONY: test demo venv clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The main job on the embedded default: tokenize the Python standard library, train the tiny
+# Oryx-TG for a few minutes on CPU, evaluate per-mode held-out loss, plot the loss curve.
+demo: venv
+	test -f data/stdlib/manifest.json || $(VENV)/bin/oryx-prep tokenize --stdlib --out data/stdlib \
+		--vocab-size 4096 --shard-size 4M --workers 2
+	rm -rf runs/demo
+	$(VENV)/bin/oryx-train hydra.run.dir=runs/demo checkpoint.dir=runs/demo/checkpoints
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -4,6 +4,7 @@ import os
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -17,6 +18,7 @@ def _free_port() -> int:
 def _worker(rank, world_size, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), TORCHDYNAMO_DISABLE="1")
+    torch.set_num_threads(1)  # one core per rank: oversubscribed threads slow CPU kernels many-fold
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(*args)

@@ -8,6 +8,10 @@ megatron-core hard-codes CUDA in a few places that the model path reaches
 2. The model-parallel RNG tracker forks the CUDA generator even with dropout 0 ->
    its get/set state is redirected to the CPU generator.
 3. ``torch.cuda.synchronize`` (dist_checkpointing's file writer) -> a no-op.
+4. The optimizer, DDP and grad clipping create tensors with ``device='cuda'``, call
+   ``.cuda()`` and assert ``grad.type() == 'torch.cuda.FloatTensor'``: ``cuda_to_cpu()`` is
+   a TorchFunctionMode that maps those to the CPU; the training step runs inside it (a
+   no-op context with CUDA).
 
 Every model config built here also turns the CUDA-only fusions off
 (``oryx_megatron.config.cpu_friendly_defaults``); set ``TORCHDYNAMO_DISABLE=1``
@@ -16,7 +20,10 @@ on CPU (the Makefile does) so megatron's ``jit_fuser`` does not compile. Norms a
 ``WrappedTorchNorm`` refuses sequence parallelism.
 """
 
+import contextlib
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 _applied = False
 
@@ -41,3 +48,21 @@ def apply_cpu_compat() -> bool:
 
     _applied = True
     return True
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # 'torch.cuda.FloatTensor' checks
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def cuda_to_cpu():
+    """Context in which megatron's hard-coded CUDA tensors land on the CPU (only without CUDA)."""
+    return contextlib.nullcontext() if torch.cuda.is_available() else _CudaToCpu()

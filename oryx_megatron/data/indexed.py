@@ -29,11 +29,17 @@ class _EodTokenizer:
         self.unique_identifiers = OrderedDict(cls="eod_only", eod=eod_id)
 
 
+SPLITS = ("train", "valid", "test")
+
+
 def build_gpt_dataset(data_path, *, seq_len: int, num_samples: int, eod_id: int, seed: int = 1234,
-                      cache_dir: Optional[str] = None):
-    """Megatron's training dataset of ``num_samples`` samples for ``--data-path``-style paths
-    (``.bin/.idx`` prefixes, optionally weighted). Index caches go to ``cache_dir`` (Megatron's
-    default when None: next to the data)."""
+                      cache_dir: Optional[str] = None, split: str = "train", split_ratio: str = "100,0,0"):
+    """Megatron's dataset of ``num_samples`` samples of one split ("train", "valid", "test";
+    documents divided by ``split_ratio``, Megatron's ``--split``) for ``--data-path``-style
+    paths (``.bin/.idx`` prefixes, optionally weighted). Index caches go to ``cache_dir``
+    (Megatron's default when None: next to the data)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     paths, weights = parse_blend(data_path)
     if cache_dir and len(paths) > 1 and not torch.distributed.is_initialized():
         raise ValueError("cache_dir with several data paths needs torch.distributed initialized "
@@ -42,7 +48,7 @@ def build_gpt_dataset(data_path, *, seq_len: int, num_samples: int, eod_id: int,
         random_seed=seed,
         sequence_length=seq_len,
         blend=(paths, weights),
-        split="100,0,0",
+        split=split_ratio,
         path_to_cache=cache_dir,
         tokenizer=_EodTokenizer(eod_id),
         reset_position_ids=False,
@@ -50,8 +56,11 @@ def build_gpt_dataset(data_path, *, seq_len: int, num_samples: int, eod_id: int,
         eod_mask_loss=False,
         create_attention_mask=False,
     )
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config)
-    return builder.build()[0]
+    sizes = [num_samples if name == split else 0 for name in SPLITS]
+    dataset = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()[SPLITS.index(split)]
+    if dataset is None:
+        raise ValueError(f"split_ratio={split_ratio!r} gives the {split!r} split no documents")
+    return dataset
 
 
 class IndexedLoader(RankBatches):
@@ -61,12 +70,12 @@ class IndexedLoader(RankBatches):
 
     def __init__(self, data_path, *, seq_len: int, micro_batch_size: int, num_samples: int, eod_id: int,
                  seed: int = 1234, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0, mode_schedule=None,
-                 cache_dir: Optional[str] = None):
+                 cache_dir: Optional[str] = None, split: str = "train", split_ratio: str = "100,0,0"):
         super().__init__(seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, dp_rank=dp_rank,
                          dp_size=dp_size, mode_schedule=mode_schedule)
         self.num_samples, self.num_workers = num_samples, num_workers
         self.dataset = build_gpt_dataset(data_path, seq_len=seq_len, num_samples=num_samples, eod_id=eod_id,
-                                         seed=seed, cache_dir=cache_dir)
+                                         seed=seed, cache_dir=cache_dir, split=split, split_ratio=split_ratio)
         self._batches = None
 
     def _index_batches(self):

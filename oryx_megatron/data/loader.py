@@ -169,14 +169,19 @@ class ShardLoader(RankBatches):
     ``[w1, p1, w2, p2, ...]``; without weights sources are drawn in proportion to their tokens.
     ``num_workers`` processes read and shuffle upcoming shards; the batches do not depend on it.
     ``mode_schedule``: a ModeSchedule or its config (default ``random_chunks``).
+    ``holdout_shards``/``split``: read only the "train" or the held-out "valid" shards of
+    each source (``Manifest.split``); 0 reads all shards.
     """
 
     def __init__(self, data_path, *, seq_len: int, micro_batch_size: int, seed: int = 1234, dp_rank: int = 0,
-                 dp_size: int = 1, num_workers: int = 0, mode_schedule=None):
+                 dp_size: int = 1, num_workers: int = 0, mode_schedule=None, holdout_shards: int = 0,
+                 split: str = "train"):
         super().__init__(seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, dp_rank=dp_rank,
                          dp_size=dp_size, mode_schedule=mode_schedule)
         paths, weights = parse_blend(data_path)
         self.manifests = [Manifest.read(p) for p in paths]
+        if holdout_shards or split == "valid":
+            self.manifests = [m.split(holdout_shards, split) for m in self.manifests]
         first = self.manifests[0]
         for path, m in zip(paths[1:], self.manifests[1:]):
             if (m.tokenizer["sha256"], m.eod_id, m.vocab_size) != (first.tokenizer["sha256"], first.eod_id, first.vocab_size):

@@ -60,6 +60,20 @@ class Manifest:
     def shard_path(self, shard: ShardInfo) -> Path:
         return self.root / shard.path
 
+    def split(self, holdout_shards: int, split: str) -> "Manifest":
+        """The "train" part (all shards but the last ``holdout_shards``) or the "valid" part
+        (those last shards) of this dataset."""
+        if split not in ("train", "valid"):
+            raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
+        if not 1 <= holdout_shards < len(self.shards):
+            raise ValueError(
+                f"{self.root / MANIFEST}: holdout_shards={holdout_shards} must be between 1 and "
+                f"{len(self.shards) - 1} ({len(self.shards)} shards, one at least for training)"
+            )
+        cut = len(self.shards) - holdout_shards
+        shards = self.shards[:cut] if split == "train" else self.shards[cut:]
+        return dataclasses.replace(self, shards=shards)
+
     def write(self, path: Path) -> None:
         """Write atomically (tmp file + rename)."""
         body = {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}

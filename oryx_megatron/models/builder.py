@@ -101,15 +101,20 @@ def padded_vocab_size(args: ModelArgs, tensor_model_parallel_size: int = 1) -> i
 
 
 def build_model(
-    args: ModelArgs, config: TransformerConfig, pre_process: bool = True, post_process: bool = True
+    args: ModelArgs,
+    config: TransformerConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
 ) -> torch.nn.Module:
-    """The model of this pipeline stage."""
+    """The model of this pipeline stage (and virtual pipeline stage)."""
     model_kwargs = dict(
         vocab_size=padded_vocab_size(args, config.tensor_model_parallel_size),
         max_sequence_length=args.max_sequence_length,
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=args.share_embeddings_and_output_weights,
+        vp_stage=vp_stage,
     )
     if args.family == "transformer":
         return TransformerBaseline(config, _gpt_layer_spec(args.transformer_impl), **model_kwargs)

@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.module import MegatronModule
@@ -26,16 +27,31 @@ from oryx_megatron.config import OryxConfig
 from oryx_megatron.layers.multi_mixer import MixerCache
 
 
+def _build_layer(layer_spec: ModuleSpec, config: OryxConfig, layer_number: int):
+    """A layer whose initial weights depend only on the seed and its global number, so that
+    every pipeline layout starts from the same model."""
+    seed = torch.initial_seed() + layer_number
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_module(layer_spec, config=config, layer_number=layer_number)
+
+
 class OryxBlock(MegatronModule):
     """The layers of this pipeline stage, and the final norm on the last stage."""
 
-    def __init__(self, config: OryxConfig, layer_spec: ModuleSpec, post_process: bool = True):
+    def __init__(
+        self,
+        config: OryxConfig,
+        layer_spec: ModuleSpec,
+        post_process: bool = True,
+        vp_stage: Optional[int] = None,
+    ):
         super().__init__(config)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        offset = get_transformer_layer_offset(config)
+        offset = get_transformer_layer_offset(config, vp_stage)
         self.layers = torch.nn.ModuleList(
-            build_module(layer_spec, config=config, layer_number=offset + i + 1)
-            for i in range(get_num_layers_to_build(config))
+            _build_layer(layer_spec, config, layer_number=offset + i + 1)
+            for i in range(get_num_layers_to_build(config, vp_stage))
         )
         self.final_layernorm = None
         if post_process:
@@ -52,9 +68,14 @@ class OryxBlock(MegatronModule):
         modes: Optional[Tensor] = None,
         inference_cache: Optional[List[MixerCache]] = None,
     ) -> Tensor:
+        recompute = self.config.recompute_granularity == "full" and self.training
         for i, layer in enumerate(self.layers):
-            cache = inference_cache[i] if inference_cache is not None else None
-            hidden_states = layer(hidden_states, modes, cache)
+            if inference_cache is not None:
+                hidden_states = layer(hidden_states, modes, inference_cache[i])
+            elif recompute:  # keep only the layer's input; redo its forward in the backward
+                hidden_states = tensor_parallel.checkpoint(layer, False, hidden_states, modes)
+            else:
+                hidden_states = layer(hidden_states, modes)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
@@ -87,21 +108,24 @@ class OryxModel(LanguageModule):
         post_process: bool = True,
         share_embeddings_and_output_weights: bool = True,
         parallel_output: bool = True,
+        vp_stage: Optional[int] = None,
     ):
         super().__init__(config)
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron's pipeline schedules
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.parallel_output = parallel_output
         self.input_tensor = None  # activations from the previous pipeline stage
+        self.vp_stage = vp_stage
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(
                 config, vocab_size, max_sequence_length, position_embedding_type="none",
                 tp_group=self.tp_group,
             )
-        self.decoder = OryxBlock(config, layer_spec, post_process)
+        self.decoder = OryxBlock(config, layer_spec, post_process, vp_stage)
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,

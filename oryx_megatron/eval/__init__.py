@@ -1,0 +1,1 @@
+"""Evaluation: synthetic retrieval tasks (``eval.tasks``)."""

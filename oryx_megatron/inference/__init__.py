@@ -1,0 +1,22 @@
+"""Inference: mode schedules for prompts and continuations, sampling, batched generation."""
+
+from oryx_megatron.inference.generation import GenerationResult, GenerationStats, generate
+from oryx_megatron.inference.sampling import Sampler, SamplingParams
+from oryx_megatron.inference.schedules import (
+    ALL_ATTENTION,
+    ALL_LINEAR,
+    LINEAR_PREFILL,
+    InferenceSchedule,
+    PhaseSchedule,
+    PositionSchedule,
+    Span,
+    SpanSchedule,
+    as_inference_schedule,
+    parse_schedule,
+)
+
+__all__ = [
+    "ALL_ATTENTION", "ALL_LINEAR", "LINEAR_PREFILL", "GenerationResult", "GenerationStats",
+    "InferenceSchedule", "PhaseSchedule", "PositionSchedule", "Sampler", "SamplingParams", "Span",
+    "SpanSchedule", "as_inference_schedule", "generate", "parse_schedule",
+]

@@ -1,0 +1,174 @@
+"""Inference mode schedules: the mode of every position of a prompt and its continuation.
+
+For one sequence a schedule gives int8 modes [total_len] for the positions fed to the model:
+the prompt [0, prompt_len), then the generated tokens [prompt_len, total_len), where
+``total_len = prompt_len + max_new_tokens - 1`` (the last generated token is never fed).
+Token t reads with mode t, and that read predicts token t + 1: the first generated token
+comes from the read of the last prompt token.
+
+- ``PhaseSchedule(prefill, decode)``: one mode for the prompt, one for the generated tokens;
+  ``all-attention``, ``all-linear`` and ``prefill=linear decode=attention``;
+- ``SpanSchedule``: explicit absolute spans, ``linear:0-100,attention:100-`` (the last span
+  may be open-ended);
+- ``PositionSchedule(schedule)``: a data-layer ``ModeSchedule`` (``switch_at``,
+  ``linear_then_attention``, ``explicit``, ...) applied to positions [0, total_len).
+
+``parse_schedule(text)`` reads the CLI forms; ``as_inference_schedule`` accepts all of them.
+"""
+
+import dataclasses
+import re
+from typing import Optional, Tuple, Union
+
+import numpy as np
+
+from oryx_megatron.data.modes import Mode, ModeSchedule, _mode
+
+FORMS = (
+    "expected 'all-attention', 'all-linear', 'prefill=MODE decode=MODE', "
+    "or spans 'MODE:START-END,...,MODE:START-'"
+)
+
+
+class InferenceSchedule:
+    """Base class of the schedules above."""
+
+    def modes(self, prompt_len: int, total_len: int) -> np.ndarray:
+        """int8 [total_len]: the mode of each position fed for a prompt of ``prompt_len`` tokens."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseSchedule(InferenceSchedule):
+    """``prefill`` on the prompt tokens, ``decode`` on the generated ones."""
+
+    prefill: Mode
+    decode: Mode
+
+    def __post_init__(self):
+        object.__setattr__(self, "prefill", _mode(self.prefill, "PhaseSchedule.prefill"))
+        object.__setattr__(self, "decode", _mode(self.decode, "PhaseSchedule.decode"))
+
+    def modes(self, prompt_len, total_len):
+        return np.where(np.arange(total_len) < prompt_len, self.prefill, self.decode).astype(np.int8)
+
+    def __str__(self):
+        return f"prefill={self.prefill.name.lower()} decode={self.decode.name.lower()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Positions [start, end) in ``mode``; ``end=None`` runs to the end of the sequence."""
+
+    mode: Mode
+    start: int
+    end: Optional[int] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", _mode(self.mode, "Span.mode"))
+
+    def __str__(self):
+        return f"{self.mode.name.lower()}:{self.start}-{'' if self.end is None else self.end}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanSchedule(InferenceSchedule):
+    """Contiguous spans from position 0; only the last may be open-ended."""
+
+    spans: Tuple[Span, ...]
+
+    def __post_init__(self):
+        if not self.spans:
+            raise ValueError("SpanSchedule.spans must hold at least one span")
+        expected = 0
+        for i, span in enumerate(self.spans):
+            where = f"inference schedule '{self}': span '{span}'"
+            if span.start != expected:
+                raise ValueError(f"{where} starts at {span.start}, expected {expected} (spans are contiguous from 0)")
+            if span.end is None and i < len(self.spans) - 1:
+                raise ValueError(f"{where} is open-ended but is not the last span")
+            if span.end is not None and span.end <= span.start:
+                raise ValueError(f"{where} is empty (end <= start)")
+            expected = span.end
+
+    def modes(self, prompt_len, total_len):
+        end = self.spans[-1].end
+        if end is not None and total_len > end:
+            raise ValueError(
+                f"inference schedule '{self}' covers positions [0, {end}), fewer than the {total_len} "
+                f"positions of a prompt of {prompt_len} tokens and its generated tokens"
+            )
+        modes = np.empty(total_len, np.int8)
+        for span in self.spans:
+            modes[span.start : span.end] = span.mode
+        return modes
+
+    def __str__(self):
+        return ",".join(map(str, self.spans))
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionSchedule(InferenceSchedule):
+    """A data-layer ModeSchedule over the fed positions (sample index 0, seed 0)."""
+
+    schedule: ModeSchedule
+
+    def modes(self, prompt_len, total_len):
+        return self.schedule.modes(total_len)
+
+
+ALL_ATTENTION = PhaseSchedule(Mode.ATTENTION, Mode.ATTENTION)
+ALL_LINEAR = PhaseSchedule(Mode.LINEAR, Mode.LINEAR)
+LINEAR_PREFILL = PhaseSchedule(Mode.LINEAR, Mode.ATTENTION)  # prefill=linear decode=attention
+NAMED = {"all-attention": ALL_ATTENTION, "attention": ALL_ATTENTION, "all-linear": ALL_LINEAR, "linear": ALL_LINEAR}
+
+_SPAN = re.compile(r"^(\w+):(\d+)-(\d*)$")
+
+
+def parse_schedule(text: str) -> InferenceSchedule:
+    """A schedule from its CLI form (see FORMS); errors name the part that cannot be read."""
+    name = text.strip().lower().replace("_", "-")
+    if name in NAMED:
+        return NAMED[name]
+    parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
+    if not parts:
+        raise ValueError(f"inference schedule {text!r} is empty; {FORMS}")
+    if "=" in parts[0]:
+        return _parse_phases(text, parts)
+    if ":" in parts[0]:
+        return SpanSchedule(tuple(_parse_span(text, p) for p in parts))
+    raise ValueError(f"inference schedule {text!r}: cannot read {parts[0]!r}; {FORMS}")
+
+
+def _parse_phases(text: str, parts) -> PhaseSchedule:
+    fields = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key not in ("prefill", "decode") or not value:
+            raise ValueError(f"inference schedule {text!r}: cannot read {part!r}; {FORMS}")
+        if key in fields:
+            raise ValueError(f"inference schedule {text!r}: {key!r} is given twice")
+        fields[key] = _mode(value, f"inference schedule {text!r}, part {part!r}")
+    for key in ("prefill", "decode"):
+        if key not in fields:
+            raise ValueError(f"inference schedule {text!r}: missing '{key}=MODE'")
+    return PhaseSchedule(**fields)
+
+
+def _parse_span(text: str, part: str) -> Span:
+    match = _SPAN.match(part)
+    if match is None:
+        raise ValueError(f"inference schedule {text!r}: cannot read span {part!r}; expected MODE:START-END or MODE:START-")
+    mode, start, end = match.groups()
+    return Span(_mode(mode, f"inference schedule {text!r}, span {part!r}"), int(start), int(end) if end else None)
+
+
+def as_inference_schedule(schedule: Union[InferenceSchedule, ModeSchedule, str]) -> InferenceSchedule:
+    """An InferenceSchedule from itself, a data-layer ModeSchedule or a CLI string."""
+    if isinstance(schedule, InferenceSchedule):
+        return schedule
+    if isinstance(schedule, ModeSchedule):
+        return PositionSchedule(schedule)
+    if isinstance(schedule, str):
+        return parse_schedule(schedule)
+    raise TypeError(f"schedule must be an InferenceSchedule, a ModeSchedule or a string, got {type(schedule).__name__}")

@@ -1,0 +1,174 @@
+"""The structured schema of ``oryx-train``'s config (recipes/train.yaml and its groups).
+
+Hydra composes the YAML onto this schema (``train_schema``), and ``load_train_config``
+checks the values, so a misspelled key, a wrong type or a bad value fails before any
+process group starts, naming the key.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from oryx_megatron.models.builder import ModelArgs
+
+
+@dataclass
+class DataConfig:
+    format: str = "shards"  # "shards" (oryx-prep manifests) or "indexed" (Megatron .bin/.idx)
+    data_path: List[str] = field(default_factory=list)  # paths, or Megatron's [w1, p1, w2, p2, ...]
+    seq_length: int = 512
+    num_workers: int = 0
+    holdout_shards: int = 1  # shards: the last N shards of each source are the held-out split
+    eod_id: Optional[int] = None  # indexed: the tokenizer's end-of-document id
+    split: str = "98,2,0"  # indexed: Megatron's --split of documents into train, valid, test
+    mode_schedule: Dict[str, Any] = field(
+        default_factory=lambda: {"name": "random_chunks", "chunk_size": 128, "p_attention": 0.5}
+    )
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"  # "adam" (AdamW) or "sgd"
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+    lr_warmup_iters: int = 100
+    lr_decay_style: str = "cosine"  # "cosine", "linear", "constant" or "WSD"
+    lr_wsd_decay_iters: Optional[int] = None  # WSD: length of the final decay
+    lr_wsd_decay_style: str = "linear"
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    overlap_grad_reduce: bool = False
+
+
+@dataclass
+class TrainingConfig:
+    seed: int = 1234
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    train_iters: Optional[int] = None
+    train_tokens: Optional[int] = None  # the token budget; sets train_iters when train_iters is unset
+    exit_interval: Optional[int] = None  # stop (saving a checkpoint) after this many iterations of this job
+    log_interval: int = 10
+    eval_interval: Optional[int] = None
+    eval_iters: int = 10
+    eval_schedules: List[str] = field(default_factory=lambda: ["all_attention", "all_linear"])
+    bf16: bool = False
+    recompute_activations: bool = False  # full recomputation of every layer in the backward
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # resumes from <dir>/latest when present
+    save_interval: Optional[int] = None
+    save_at_end: bool = True
+    load: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "offline"  # "online", "offline" or "disabled"
+    wandb_project: str = "oryx-megatron"
+    wandb_entity: Optional[str] = None
+    run_name: Optional[str] = None
+    peak_tflops: float = 989.0  # per device, for MFU (H100/H200 dense bf16)
+    output_dir: Optional[str] = None  # defaults to Hydra's run directory
+
+
+@dataclass
+class TrainConfig:
+    model: ModelArgs
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# recipes/train.yaml lists this schema first in its defaults: every composed key is typed.
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+CHOICES = {
+    "data.format": ("shards", "indexed"),
+    "optimizer.optimizer": ("adam", "sgd"),
+    "optimizer.lr_decay_style": ("cosine", "linear", "constant", "WSD"),
+    "logging.wandb_mode": ("online", "offline", "disabled"),
+}
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names it."""
+
+
+def load_train_config(cfg: DictConfig) -> TrainConfig:
+    """Validate a composed config against the schema (keys, types, values)."""
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    try:
+        # merged as a plain container: keys that Hydra let in with "+key=" are rejected here
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg))
+        run: TrainConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"config key {key!r}: {e.msg if hasattr(e, 'msg') else e}") from None
+    _check_values(run)
+    return run
+
+
+def _check_values(run: TrainConfig) -> None:
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(run, section), name)
+        if value not in allowed:
+            raise ConfigError(f"config key '{key}': {value!r} is not one of {allowed}")
+    t, p = run.train, run.parallel
+    positive = {
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.global_batch_size": t.global_batch_size,
+        "train.log_interval": t.log_interval,
+        "data.seq_length": run.data.seq_length,
+        "parallel.tensor_model_parallel_size": p.tensor_model_parallel_size,
+        "parallel.pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "optimizer.lr": run.optimizer.lr,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key '{key}': {value} must be positive")
+    if (t.train_iters is None) == (t.train_tokens is None):
+        raise ConfigError("config keys 'train.train_iters' / 'train.train_tokens': set exactly one")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size}"
+        )
+    if not run.data.data_path:
+        raise ConfigError("config key 'data.data_path': no dataset given")
+    if run.data.format == "indexed" and run.data.eod_id is None:
+        raise ConfigError("config key 'data.eod_id': required with data.format=indexed")
+    if run.data.seq_length > run.model.max_sequence_length:
+        raise ConfigError(
+            f"config key 'data.seq_length': {run.data.seq_length} exceeds "
+            f"model.max_sequence_length={run.model.max_sequence_length}"
+        )
+
+
+def train_iters(run: TrainConfig) -> int:
+    """train.train_iters, or the token budget in iterations."""
+    t = run.train
+    if t.train_iters is not None:
+        return t.train_iters
+    return max(1, t.train_tokens // (t.global_batch_size * run.data.seq_length))

@@ -1,0 +1,134 @@
+"""Training metrics: the console line, W&B (never fatal), and the loss-curve PNG."""
+
+import json
+import logging
+import math
+import subprocess
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+logger = logging.getLogger("oryx_megatron.train")
+
+
+def flops_per_token(config, seq_length: int, num_params: int, vocab_size: int, tied: bool) -> float:
+    """Approximate training FLOPs per token: 6 per weight that multiplies (the embedding
+    lookup does not; the output projection does) plus causal attention, 6 * layers * seq *
+    heads * d_k. Both mixers run on every token in the parallel forward, so the attention
+    term counts whatever the modes."""
+    matmul_params = num_params - (0 if tied else vocab_size * config.hidden_size)
+    attention = 6 * config.num_layers * seq_length * config.num_attention_heads * config.kv_channels
+    return 6 * matmul_params + (attention if getattr(config, "has_attention", True) else 0)
+
+
+def memory_gb() -> float:
+    """Peak device memory (CUDA) or this process's peak RSS (CPU), in GB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class MetricsLogger:
+    """Console + W&B + history for the loss curve; active on the logging rank only."""
+
+    def __init__(self, active: bool, logging_config, output_dir: Path, run_config: dict):
+        self.active, self.output_dir = active, Path(output_dir)
+        if active:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.history: List[Dict[str, float]] = []
+        self.wandb = None
+        if not active or logging_config.wandb_mode == "disabled":
+            return
+        try:
+            import wandb
+
+            self.wandb = wandb.init(
+                mode=logging_config.wandb_mode,
+                project=logging_config.wandb_project,
+                entity=logging_config.wandb_entity,
+                name=logging_config.run_name,
+                dir=str(self.output_dir),
+                config={**run_config, "git_commit": git_commit()},
+                resume="allow",
+            )
+        except Exception as e:  # W&B must never kill training
+            logger.warning("W&B disabled: init failed (%r)", e)
+
+    def log(self, iteration: int, metrics: Dict[str, float], console: bool = True) -> None:
+        if not self.active:
+            return
+        self.history.append({"iteration": iteration, **metrics})
+        with open(self.output_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        if console:
+            logger.info(format_line(iteration, metrics))
+        if self.wandb is not None:
+            try:
+                self.wandb.log(metrics, step=iteration)
+            except Exception as e:
+                logger.warning("W&B disabled: log failed (%r)", e)
+                self.wandb = None
+
+    def finish(self) -> Optional[Path]:
+        """Write the loss curve PNG; close W&B. Returns the PNG path."""
+        if not self.active:
+            return None
+        png = plot_loss_curve(self.history, self.output_dir / "loss_curve.png")
+        if self.wandb is not None:
+            try:
+                logger.info("W&B run (%s): %s", self.wandb.settings.mode, Path(self.wandb.dir).parent)
+                self.wandb.finish()
+            except Exception as e:
+                logger.warning("W&B finish failed (%r)", e)
+        return png
+
+
+def format_line(iteration: int, m: Dict[str, float]) -> str:
+    parts = [f"iter {iteration:>6}"]
+    for key, fmt in (("train/loss", ".4f"), ("train/loss_attention", ".4f"), ("train/loss_linear", ".4f"),
+                     ("train/attention_fraction", ".2f"), ("train/lr", ".2e"), ("train/grad_norm", ".3f"),
+                     ("perf/tokens_per_s", ",.0f"), ("perf/tflops", ".2f"), ("perf/mfu", ".2%"),
+                     ("perf/memory_gb", ".2f")):
+        if key in m and m[key] is not None and not (isinstance(m[key], float) and math.isnan(m[key])):
+            parts.append(f"{key.split('/')[1]} {m[key]:{fmt}}")
+    parts += [f"{k} {v:.4f}" for k, v in m.items() if k.startswith("eval/")]
+    return " | ".join(parts)
+
+
+def plot_loss_curve(history: List[Dict[str, float]], path: Path) -> Optional[Path]:
+    """Training loss (overall and per mode) and eval losses against iterations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({k for row in history for k in row if k.startswith(("train/loss", "eval/"))})
+    if not keys:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        points = [(row["iteration"], row[key]) for row in history if key in row and row[key] == row[key]]
+        if points:
+            style = "o--" if key.startswith("eval/") else "-"
+            ax.plot(*zip(*points), style, label=key, markersize=3)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,129 @@
+"""Synthetic retrieval tasks: answers recoverable by construction, seeded, mixed-mode schedules."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from oryx_megatron.eval.tasks.mqar import MQARConfig, generate_mqar, solve_mqar
+from oryx_megatron.eval.tasks.mqar import mixed_mode_schedule as mqar_modes
+from oryx_megatron.eval.tasks.niah import NIAHConfig, generate_niah, solve_niah
+from oryx_megatron.eval.tasks.niah import mixed_mode_schedule as niah_modes
+
+CORPUS = np.arange(1, 4000) % 199 + 1  # a stand-in for held-out corpus tokens (no 0: the marker)
+
+
+def check_layout(sample, n, seq_len):
+    """inputs/labels/answer_mask/answers agree with each other."""
+    inputs, labels, mask = sample["inputs"], sample["labels"], sample["answer_mask"]
+    assert inputs.shape == labels.shape == mask.shape == (n, seq_len)
+    assert np.array_equal(inputs[:, 1:], labels[:, :-1])
+    assert np.array_equal(labels[mask].reshape(n, -1), sample["answers"])
+
+
+def assert_samples_equal(a, b):
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("filler_id", [None, 3])
+def test_mqar_answers_are_recoverable(filler_id):
+    for seed in range(20):
+        cfg = MQARConfig(vocab_size=64, seq_len=48, num_pairs=8, num_queries=5, seed=seed, filler_id=filler_id)
+        sample = generate_mqar(cfg, 4)
+        check_layout(sample, 4, 48)
+        assert np.array_equal(solve_mqar(sample), sample["answers"])
+        (key_low, key_high), (value_low, value_high) = cfg.key_value_ranges
+        keys = sample["inputs"][:, 0 : 2 * cfg.num_pairs : 2]
+        assert ((keys >= key_low) & (keys < key_high)).all() and all(len(set(row)) == cfg.num_pairs for row in keys)
+        assert ((sample["answers"] >= value_low) & (sample["answers"] < value_high)).all()
+        assert np.array_equal(sample["answer_mask"].nonzero()[1].reshape(4, -1), sample["query_positions"])
+
+
+def test_mqar_seeds_reproduce_and_differ():
+    cfg = MQARConfig(vocab_size=256, seq_len=64, num_pairs=8, seed=1)
+    assert_samples_equal(generate_mqar(cfg, 3), generate_mqar(cfg, 3))
+    other = generate_mqar(dataclasses.replace(cfg, seed=2), 3)
+    assert not np.array_equal(generate_mqar(cfg, 3)["inputs"], other["inputs"])
+    assert cfg.num_queries == 8  # defaults to num_pairs
+
+
+def test_mqar_mixed_mode_is_attention_on_the_query_span_only():
+    cfg = MQARConfig(vocab_size=256, seq_len=200, num_pairs=16, num_queries=4)
+    sample = generate_mqar(cfg, 3)
+    modes = mqar_modes(cfg).batch(cfg.seq_len, range(3)).numpy()  # [n, seq_len]
+    positions = np.arange(cfg.seq_len)
+    assert np.array_equal(modes == 1, np.broadcast_to(positions >= sample["query_positions"][:, :1], modes.shape))
+    assert modes.mean() == pytest.approx((cfg.seq_len - cfg.query_start) / cfg.seq_len) == 7 / 200
+
+
+@pytest.mark.parametrize("num_needles", [1, 4])
+@pytest.mark.parametrize("haystack", [None, CORPUS])
+def test_niah_answers_are_recoverable(num_needles, haystack):
+    for seed in range(20):
+        cfg = NIAHConfig(vocab_size=256, seq_len=96, num_needles=num_needles, key_len=2, value_len=3, seed=seed)
+        sample = generate_niah(haystack, cfg, 3)
+        check_layout(sample, 3, 96)
+        assert np.array_equal(solve_niah(sample), sample["answers"])
+        inputs, p = sample["inputs"], sample["prompt_len"]
+        assert np.array_equal(np.concatenate([inputs[:, p:], sample["labels"][:, -1:]], 1), sample["answers"])
+        for i, row in enumerate(inputs):
+            needles, asked, q = sample["needle_positions"][i], sample["target"][i], sample["query_positions"][i, 0]
+            assert set(np.flatnonzero(row == cfg.marker_id)) == set(needles) | {q}  # the only markers
+            keys = [tuple(row[j + 1 : j + 3]) for j in needles]
+            assert len(set(keys)) == num_needles and keys[asked] == tuple(row[q + 1 : p])
+
+
+def test_niah_depths_place_the_needles():
+    cfg = NIAHConfig(vocab_size=64, seq_len=60, num_needles=2, depths=(1.0, 0.0))
+    sample = generate_niah(None, cfg, 2)
+    assert sample["needle_positions"].tolist() == [[cfg.haystack_len + 7, 0]] * 2  # needles of 7 tokens
+    assert sample["query_positions"].tolist() == [[cfg.haystack_len + 14]] * 2
+
+
+def test_niah_seeds_reproduce_and_differ():
+    cfg = NIAHConfig(vocab_size=256, seq_len=96, num_needles=3, seed=5)
+    assert_samples_equal(generate_niah(CORPUS, cfg, 3), generate_niah(CORPUS, cfg, 3))
+    other = generate_niah(CORPUS, dataclasses.replace(cfg, seed=6), 3)
+    assert not np.array_equal(generate_niah(CORPUS, cfg, 3)["inputs"], other["inputs"])
+
+
+def test_niah_mixed_mode_is_attention_on_question_and_answer():
+    cfg = NIAHConfig(vocab_size=256, seq_len=120, key_len=3, value_len=5)
+    sample = generate_niah(None, cfg, 2)
+    modes = niah_modes(cfg).batch(cfg.seq_len, range(2)).numpy()
+    q = sample["query_positions"][0, 0]
+    assert modes[:, :q].max() == 0 and modes[:, q:].min() == 1
+    assert modes.mean() == pytest.approx((cfg.seq_len - q) / cfg.seq_len) == 8 / 120
+
+
+def mqar(**fields):
+    return MQARConfig(**{"vocab_size": 64, "seq_len": 64, "num_pairs": 4, **fields})
+
+
+def niah(**fields):
+    return NIAHConfig(**{"vocab_size": 64, "seq_len": 64, **fields})
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: mqar(seq_len=100, num_pairs=40), r"MQARConfig.num_pairs=40 exceeds the 32 distinct keys"),
+        (lambda: mqar(seq_len=20, num_pairs=8), r"MQARConfig.seq_len=20 is too short .* need 31 tokens"),
+        (lambda: mqar(num_queries=5), r"MQARConfig.num_queries=5 exceeds num_pairs=4"),
+        (lambda: mqar(num_pairs=0), r"MQARConfig.num_pairs must be an integer >= 1"),
+        (lambda: mqar(id_range=(10, 80)), r"MQARConfig.id_range=\(10, 80\)"),
+        (lambda: mqar(filler_id=64), r"MQARConfig.filler_id=64"),
+        (lambda: generate_mqar(mqar(), 0), r"n_samples must be an integer >= 1"),
+        (lambda: niah(seq_len=20, num_needles=3), r"NIAHConfig.seq_len=20 is too short: num_needles=3 .* need 27"),
+        (lambda: niah(vocab_size=9, seq_len=200, num_needles=5), r"NIAHConfig.num_needles=5 exceeds the 4 distinct"),
+        (lambda: niah(marker_id=5), r"NIAHConfig.marker_id=5 must be .* outside"),
+        (lambda: niah(num_needles=2, depths=(0.5,)), r"NIAHConfig.depths=\(0.5,\)"),
+        (lambda: niah(key_len=0), r"NIAHConfig.key_len must be an integer >= 1"),
+        (lambda: generate_niah(np.arange(1, 10), niah(), 1), r"haystack_tokens holds 9 tokens, fewer than the 51"),
+        (lambda: generate_niah(np.arange(0, 100), niah(vocab_size=128), 1), r"haystack_tokens contains marker_id=0"),
+        (lambda: generate_niah(np.arange(1, 100), niah(), 1), r"haystack_tokens holds ids outside \[0, vocab_size=64\)"),
+    ],
+)
+def test_bad_parameters_raise_naming_them(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

@@ -1,0 +1,212 @@
+"""Generation with the inference cache equals recomputing the parallel forward at every step;
+sampling, schedules, stop tokens and stats."""
+
+import numpy as np
+import pytest
+import torch
+
+from oryx_megatron.data.modes import Mode, switch_at
+from oryx_megatron.inference import (
+    LINEAR_PREFILL,
+    PhaseSchedule,
+    Sampler,
+    SamplingParams,
+    Span,
+    SpanSchedule,
+    as_inference_schedule,
+    generate,
+    parse_schedule,
+)
+from oryx_megatron.inference.sampling import top_k_mask, top_p_mask
+from oryx_megatron.models.builder import build_model, transformer_config
+from tests.helpers import tiny_args
+
+pytestmark = pytest.mark.usefixtures("single_process_parallel", "one_thread")
+
+VOCAB = 97  # tiny_args' tokenizer vocab; the model's is padded to 128
+PROMPT_LENGTHS = (5, 9, 12)
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny ops run fastest single-threaded; oversubscribed threads slow CPU convs 30x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["oryx_tg", "oryx_tm"])
+def model(request, single_process_parallel):
+    args = tiny_args(request.param)
+    torch.manual_seed(0)
+    return build_model(args, transformer_config(args, params_dtype=torch.float64))
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def recompute_greedy(model, prompt, schedule, max_new):
+    """Reference: a full parallel forward over prompt + generated tokens at every step."""
+    modes = torch.from_numpy(schedule.modes(len(prompt), len(prompt) + max_new - 1))
+    tokens, logits = list(prompt), []
+    greedy = Sampler(SamplingParams(), VOCAB)
+    with torch.no_grad():
+        for _ in range(max_new):
+            last = model(torch.tensor([tokens]), modes[None, : len(tokens)])[:, -1]  # [1, V]
+            logits.append(last[0])
+            tokens.append(greedy(last).item())
+    return tokens[len(prompt):], torch.stack(logits)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        "all-attention",
+        "all-linear",
+        "prefill=linear decode=attention",
+        "attention:0-7,linear:7-",  # mid-prompt for prompts 9 and 12, mid-generation for 5
+        "linear:0-11,attention:11-",  # mid-generation for prompt 9, mid-prompt for 12
+    ],
+)
+def test_cached_generation_equals_parallel_recompute(model, schedule):
+    batch = prompts()
+    result = generate(model, batch, schedule, MAX_NEW, vocab_size=VOCAB, output_logits=True)
+    for i, prompt in enumerate(batch):
+        tokens, logits = recompute_greedy(model, prompt, parse_schedule(schedule), MAX_NEW)
+        assert result.tokens[i] == tokens
+        assert (result.logits[i] - logits).abs().max() < 1e-9
+    assert result.finish_reasons == ["length"] * len(batch)
+
+
+def test_stop_tokens_max_tokens_and_stats(model):
+    batch, schedule = prompts(seed=1), as_inference_schedule(switch_at(10))  # a data-layer ModeSchedule
+    full = generate(model, batch, schedule, MAX_NEW, vocab_size=VOCAB)
+    stop = full.tokens[0][2]
+    result = generate(model, batch, schedule, MAX_NEW, stop_token_ids=[stop], vocab_size=VOCAB)
+    expected_fed = np.zeros(len(Mode), np.int64)
+    for i, prompt in enumerate(batch):
+        out = full.tokens[i]
+        if stop in out:
+            assert result.tokens[i] == out[: out.index(stop) + 1] and result.finish_reasons[i] == "stop"
+        else:
+            assert result.tokens[i] == out and result.finish_reasons[i] == "length"
+        assert len(result.tokens[i]) <= MAX_NEW
+        fed = len(prompt) + len(result.tokens[i]) - 1  # the last generated token is never fed
+        expected_fed += np.bincount(schedule.modes(len(prompt), fed), minlength=len(Mode))
+    assert result.finish_reasons[0] == "stop"
+
+    stats = result.stats
+    assert stats.tokens_per_mode == {"linear": expected_fed[0], "attention": expected_fed[1]}
+    assert stats.prefill_tokens == len(batch) * min(PROMPT_LENGTHS)
+    assert stats.prefill_tokens + stats.decode_tokens == expected_fed.sum()
+    assert stats.attention_fraction == pytest.approx(expected_fed[1] / expected_fed.sum())
+    assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+    # Without stops the cache holds every position fed: max prompt + MAX_NEW - 1.
+    layers, b, heads, d, fp64 = 2, len(batch), 4, 16, 8
+    positions = max(PROMPT_LENGTHS) + MAX_NEW - 1
+    assert full.stats.cache_bytes["kv"] == layers * 2 * b * positions * heads * d * fp64
+    assert full.stats.cache_bytes["recurrent"] == layers * b * heads * d * d * fp64
+
+
+def test_sampled_generation_is_reproducible_and_stays_in_vocab(model):
+    batch = prompts(seed=2)
+    params = SamplingParams(temperature=2.0, top_k=50, top_p=0.95, seed=7)
+    first = generate(model, batch, LINEAR_PREFILL, MAX_NEW, sampling=params, vocab_size=VOCAB)
+    again = generate(model, batch, LINEAR_PREFILL, MAX_NEW, sampling=params, vocab_size=VOCAB)
+    other_params = SamplingParams(temperature=2.0, seed=8)
+    other = generate(model, batch, LINEAR_PREFILL, MAX_NEW, sampling=other_params, vocab_size=VOCAB)
+    assert first.tokens == again.tokens != other.tokens
+    assert max(max(t) for t in first.tokens + other.tokens) < VOCAB
+
+
+def test_generate_rejects_bad_arguments(model):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
+        generate(model, prompts(), "all-attention", 0)
+    with pytest.raises(ValueError, match="non-empty token lists"):
+        generate(model, [[1], []], "all-attention", 2)
+    with pytest.raises(ValueError, match=r"id 100, outside \[0, vocab_size=97\)"):
+        generate(model, [[1, 100]], "all-attention", 2, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"covers positions \[0, 8\)"):
+        generate(model, [[1, 2, 3]], "linear:0-8", 7)
+
+
+# ---- sampling ----
+
+def test_top_k_and_top_p_masks():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 1.0, 0.0, -1.0]])
+    assert top_k_mask(logits, 2).tolist() == [[False, True, True, False], [True, True, False, False]]
+    assert top_k_mask(logits[1:], 1).tolist() == [[True, True, False, False]]  # ties with the k-th are kept
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
+    assert top_p_mask(probs, 0.79).tolist() == [[False, True, False, True]]  # 0.5 + 0.3 >= 0.79
+    assert top_p_mask(probs, 0.81).tolist() == [[True, True, False, True]]
+    assert top_p_mask(probs, 0.2).tolist() == [[False, True, False, False]]  # the top id is always kept
+    g = torch.Generator().manual_seed(0)
+    draws = torch.cat([Sampler(SamplingParams(temperature=1.0, top_p=0.79, seed=s))(probs) for s in range(200)])
+    assert set(draws.tolist()) == {1, 3}
+    logits = torch.randn(500, 10, generator=g)
+    draws = Sampler(SamplingParams(temperature=5.0, top_k=2))(logits)
+    assert top_k_mask(logits, 2).gather(1, draws[:, None]).all()
+
+
+def test_greedy_seed_and_padded_vocab():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 128, generator=g, dtype=torch.float64)
+    assert torch.equal(Sampler(SamplingParams())(logits), logits.argmax(-1))
+    params = SamplingParams(temperature=1.5, seed=3)
+    assert torch.equal(Sampler(params)(logits), Sampler(params)(logits))
+    assert not torch.equal(Sampler(params)(logits), Sampler(SamplingParams(temperature=1.5, seed=4))(logits))
+    padded = logits.clone()
+    padded[:, VOCAB:] = 50.0  # the padded rows would win every draw
+    assert Sampler(SamplingParams(), VOCAB)(padded).max() < VOCAB
+    assert Sampler(SamplingParams(temperature=5.0), VOCAB)(padded.repeat(20, 1)).max() < VOCAB
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(temperature=-1.0), "SamplingParams.temperature must be >= 0"),
+        (dict(top_k=-2), "SamplingParams.top_k must be an integer >= 0"),
+        (dict(top_p=0.0), r"SamplingParams.top_p must be in \(0, 1\]"),
+    ],
+)
+def test_sampling_params_errors_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+# ---- schedules ----
+
+def test_schedules_give_prompt_and_generated_modes():
+    assert parse_schedule("all-attention").modes(3, 5).tolist() == [1] * 5
+    assert parse_schedule("all_linear").modes(3, 5).tolist() == [0] * 5
+    phases = parse_schedule("prefill=linear, decode=attention")
+    assert phases == LINEAR_PREFILL == PhaseSchedule("linear", 1)
+    assert phases.modes(3, 5).tolist() == [0, 0, 0, 1, 1]
+    spans = parse_schedule("linear:0-2,attention:2-4,linear:4-")
+    assert spans == SpanSchedule((Span(Mode.LINEAR, 0, 2), Span(Mode.ATTENTION, 2, 4), Span(Mode.LINEAR, 4)))
+    assert spans.modes(9, 6).tolist() == [0, 0, 1, 1, 0, 0]
+    assert parse_schedule("attention:0-3").modes(1, 2).tolist() == [1, 1]
+    for schedule in (phases, spans):
+        assert parse_schedule(str(schedule)) == schedule
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("diagonal", r"cannot read 'diagonal'; expected 'all-attention'"),
+        ("prefill=lin decode=attention", r"part 'prefill=lin': unknown mode 'lin'"),
+        ("prefill=linear", r"missing 'decode=MODE'"),
+        ("prefill=linear speed=fast", r"cannot read 'speed=fast'"),
+        ("linear:0-100,attn:100-", r"span 'attn:100-': unknown mode 'attn'"),
+        ("linear:0-100,attention:90-", r"span 'attention:90-' starts at 90, expected 100"),
+        ("linear:0-,attention:5-", r"span 'linear:0-' is open-ended but is not the last"),
+        ("linear:0-5,attention:x-", r"cannot read span 'attention:x-'"),
+    ],
+)
+def test_schedule_parse_errors_name_the_bad_part(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_schedule(text)
