@@ -83,3 +83,23 @@ def test_unknown_family_and_vocab_padding_errors():
     assert padded_vocab_size(dataclasses.replace(args, make_vocab_size_divisible_by=1), 1) == 97
     with pytest.raises(ValueError, match=r"make_vocab_size_divisible_by=1: padded vocab 97 .* tensor_model_parallel_size=2"):
         padded_vocab_size(dataclasses.replace(args, make_vocab_size_divisible_by=1), 2)
+
+
+def test_activation_recomputation_gives_the_same_gradients(monkeypatch):
+    from megatron.core import tensor_parallel
+
+    calls = []
+    checkpoint = tensor_parallel.checkpoint
+    monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *a: calls.append(1) or checkpoint(*a))
+    args = tiny_args("oryx_tg")
+    grads = []
+    for recompute in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
+        torch.manual_seed(0)
+        model = build_model(args, transformer_config(args, params_dtype=torch.float64, **recompute))
+        tokens, labels, modes = batch(args)
+        model(tokens, modes, labels=labels).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert len(calls) == args.num_layers  # every layer of the second model was recomputed
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-12), name

@@ -14,6 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from omegaconf import OmegaConf
 
 from data_prep.inputs import InputOptions, stdlib_files
 from data_prep.pipeline import tokenize_corpus
@@ -85,18 +86,19 @@ def _layout_run(tmp: str, corpus: dict, overrides: list):
     assert pretrain(run, f"{tmp}/out") == 0
 
 
-LAYOUTS = {
-    "dp2": [],
-    "tp2_sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
-    "pp2": ["parallel.pipeline_model_parallel_size=2"],
+LAYOUTS = {  # name: (overrides of both runs, overrides of the 2-process run)
+    "dp2": ([], []),
+    "tp2_sp": ([], ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
+    "pp2": ([], ["parallel.pipeline_model_parallel_size=2"]),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_process_layouts_match_one_process(corpus, tmp_path, layout):
-    common = ["train.train_iters=5", "checkpoint.save_at_end=true"]
+    both, layout_only = LAYOUTS[layout]
+    common = ["train.train_iters=5", "checkpoint.save_at_end=true", *both]
     assert pretrain(run_config(corpus, tmp_path / "ref", *common, indexed=True), str(tmp_path / "ref/out")) == 0
-    run_distributed(_layout_run, str(tmp_path / layout), corpus, common + LAYOUTS[layout])
+    run_distributed(_layout_run, str(tmp_path / layout), corpus, common + layout_only)
     reference, curve = losses(tmp_path / "ref/out"), losses(tmp_path / layout / "out")
     assert len(curve) == 5
     # fp32 with a different reduction order; Adam amplifies rounding over the steps
@@ -159,6 +161,7 @@ def test_sigterm_saves_a_checkpoint_and_asks_for_requeue(corpus, tmp_path):
         ("train.global_batch_size=abc", "train.global_batch_size"),
         ("train.global_batch_size=7", "train.global_batch_size"),
         ("data.seq_length=4096", "data.seq_length"),
+        ("parallel.virtual_pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size"),
     ],
 )
 def test_config_errors_name_the_key(corpus, tmp_path, override, message):
@@ -172,3 +175,17 @@ def test_cli_misspelled_key_fails_before_training(tmp_path):
                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "micro_batch_sise" in out.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_multirun_sweep_runs_one_job_per_point_through_submitit(corpus, tmp_path):
+    """`oryx-train -m ... hydra/launcher=local`: the submitit launcher SLURM sweeps use, executed locally."""
+    args = [sys.executable, "-m", "oryx_megatron.train", "-m", "hydra/launcher=local", *TINY_MODEL, *TINY_TRAIN,
+            f"data.data_path=[{corpus['shards']}]", "train.train_iters=2", "model.num_layers=1",
+            "optimizer.lr=1e-3,3e-3", "checkpoint.dir=null", f"hydra.sweep.dir={tmp_path}"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    points = [OmegaConf.load(tmp_path / job / ".hydra" / "overrides.yaml") for job in ("0", "1")]
+    assert [[o for o in p if o.startswith("optimizer.lr=")] for p in points] == [["optimizer.lr=0.001"], ["optimizer.lr=0.003"]]
+    lr = [losses(tmp_path / job, "train/lr") for job in ("0", "1")]  # after the 1-step warmup: the peak lr
+    assert len(lr[0]) == len(lr[1]) == 2 and lr[0][0] == pytest.approx(1e-3) and lr[1][0] == pytest.approx(3e-3)

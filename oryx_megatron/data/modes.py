@@ -31,7 +31,7 @@ class Mode(IntEnum):
     ATTENTION = 1
 
 
-def _mode(value: Union[int, str, Mode], where: str) -> Mode:
+def parse_mode(value: Union[int, str, Mode], where: str) -> Mode:
     """A Mode from an int or a name ('linear', 'attention')."""
     try:
         return Mode[value.upper()] if isinstance(value, str) else Mode(value)
@@ -40,7 +40,7 @@ def _mode(value: Union[int, str, Mode], where: str) -> Mode:
         raise ValueError(f"{where}: unknown mode {value!r}; modes are {names}") from None
 
 
-def _check_int(value, minimum: int, where: str) -> None:
+def check_int(value, minimum: int, where: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
 
@@ -66,7 +66,7 @@ class RandomChunks(ModeSchedule):
     p_attention: float = 0.5
 
     def __post_init__(self):
-        _check_int(self.chunk_size, 1, "random_chunks.chunk_size")
+        check_int(self.chunk_size, 1, "random_chunks.chunk_size")
         if not 0.0 <= self.p_attention <= 1.0:
             raise ValueError(f"random_chunks.p_attention must be in [0, 1], got {self.p_attention!r}")
 
@@ -101,9 +101,9 @@ class SwitchAt(ModeSchedule):
     after: Mode = Mode.ATTENTION
 
     def __post_init__(self):
-        _check_int(self.t, 0, "switch_at.t")
-        object.__setattr__(self, "before", _mode(self.before, "switch_at.before"))
-        object.__setattr__(self, "after", _mode(self.after, "switch_at.after"))
+        check_int(self.t, 0, "switch_at.t")
+        object.__setattr__(self, "before", parse_mode(self.before, "switch_at.before"))
+        object.__setattr__(self, "after", parse_mode(self.after, "switch_at.after"))
 
     def modes(self, seq_len, sample_index=0, seed=0):
         return np.where(np.arange(seq_len) < self.t, self.before, self.after).astype(np.int8)
@@ -117,7 +117,7 @@ class LinearThenAttention(ModeSchedule):
     n_last: int
 
     def __post_init__(self):
-        _check_int(self.n_last, 0, "linear_then_attention.n_last")
+        check_int(self.n_last, 0, "linear_then_attention.n_last")
 
     def modes(self, seq_len, sample_index=0, seed=0):
         return SwitchAt(max(seq_len - self.n_last, 0)).modes(seq_len)
@@ -132,10 +132,10 @@ class Explicit(ModeSchedule):
     chunk_size: int = 128
 
     def __post_init__(self):
-        _check_int(self.chunk_size, 1, "explicit.chunk_size")
+        check_int(self.chunk_size, 1, "explicit.chunk_size")
         if isinstance(self.chunk_modes, (str, bytes)) or not isinstance(self.chunk_modes, Sequence) or not self.chunk_modes:
             raise ValueError(f"explicit.chunk_modes must be a non-empty list of modes, got {self.chunk_modes!r}")
-        modes = tuple(_mode(m, f"explicit.chunk_modes[{i}]") for i, m in enumerate(self.chunk_modes))
+        modes = tuple(parse_mode(m, f"explicit.chunk_modes[{i}]") for i, m in enumerate(self.chunk_modes))
         object.__setattr__(self, "chunk_modes", modes)
 
     def modes(self, seq_len, sample_index=0, seed=0):

@@ -22,7 +22,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from oryx_megatron.data.modes import Mode, ModeSchedule, _mode
+from oryx_megatron.data.modes import Mode, ModeSchedule, parse_mode
 
 FORMS = (
     "expected 'all-attention', 'all-linear', 'prefill=MODE decode=MODE', "
@@ -46,8 +46,8 @@ class PhaseSchedule(InferenceSchedule):
     decode: Mode
 
     def __post_init__(self):
-        object.__setattr__(self, "prefill", _mode(self.prefill, "PhaseSchedule.prefill"))
-        object.__setattr__(self, "decode", _mode(self.decode, "PhaseSchedule.decode"))
+        object.__setattr__(self, "prefill", parse_mode(self.prefill, "PhaseSchedule.prefill"))
+        object.__setattr__(self, "decode", parse_mode(self.decode, "PhaseSchedule.decode"))
 
     def modes(self, prompt_len, total_len):
         return np.where(np.arange(total_len) < prompt_len, self.prefill, self.decode).astype(np.int8)
@@ -65,7 +65,7 @@ class Span:
     end: Optional[int] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "mode", _mode(self.mode, "Span.mode"))
+        object.__setattr__(self, "mode", parse_mode(self.mode, "Span.mode"))
 
     def __str__(self):
         return f"{self.mode.name.lower()}:{self.start}-{'' if self.end is None else self.end}"
@@ -148,7 +148,7 @@ def _parse_phases(text: str, parts) -> PhaseSchedule:
             raise ValueError(f"inference schedule {text!r}: cannot read {part!r}; {FORMS}")
         if key in fields:
             raise ValueError(f"inference schedule {text!r}: {key!r} is given twice")
-        fields[key] = _mode(value, f"inference schedule {text!r}, part {part!r}")
+        fields[key] = parse_mode(value, f"inference schedule {text!r}, part {part!r}")
     for key in ("prefill", "decode"):
         if key not in fields:
             raise ValueError(f"inference schedule {text!r}: missing '{key}=MODE'")
@@ -160,7 +160,7 @@ def _parse_span(text: str, part: str) -> Span:
     if match is None:
         raise ValueError(f"inference schedule {text!r}: cannot read span {part!r}; expected MODE:START-END or MODE:START-")
     mode, start, end = match.groups()
-    return Span(_mode(mode, f"inference schedule {text!r}, span {part!r}"), int(start), int(end) if end else None)
+    return Span(parse_mode(mode, f"inference schedule {text!r}, span {part!r}"), int(start), int(end) if end else None)
 
 
 def as_inference_schedule(schedule: Union[InferenceSchedule, ModeSchedule, str]) -> InferenceSchedule:

@@ -148,6 +148,10 @@ def _check_values(run: TrainConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key '{key}': {value} must be positive")
+    if p.virtual_pipeline_model_parallel_size is not None:
+        # Builds and trains, but its first-step loss differs from PP=1 by ~2e-3 (PP alone matches
+        # to 1e-5): refused until the interleaved schedule is proven exact.
+        raise ConfigError("config key 'parallel.virtual_pipeline_model_parallel_size': not supported yet")
     if (t.train_iters is None) == (t.train_tokens is None):
         raise ConfigError("config keys 'train.train_iters' / 'train.train_tokens': set exactly one")
     if t.global_batch_size % t.micro_batch_size:

@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from oryx_megatron.data.modes import _check_int as check_int
+from oryx_megatron.data.modes import check_int
 
 __all__ = ["check_int", "next_token_sample", "resolve_id_range"]
 
