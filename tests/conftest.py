@@ -14,3 +14,14 @@ def single_process_parallel():
     from oryx_megatron.parallel import initialize_parallel
 
     initialize_parallel()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny ops run fastest single-threaded; oversubscribed threads slow CPU convs 30x."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

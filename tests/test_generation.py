@@ -28,15 +28,6 @@ PROMPT_LENGTHS = (5, 9, 12)
 MAX_NEW = 6
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny ops run fastest single-threaded; oversubscribed threads slow CPU convs 30x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["oryx_tg", "oryx_tm"])
 def model(request, single_process_parallel):
     args = tiny_args(request.param)

@@ -1,0 +1,96 @@
+"""Held-out perplexity under mode schedules, and the held-out-data helpers the other evals share.
+
+The windows are read once from the checkpoint's dataset (valid split, the loader of
+training eval); every schedule reads the same windows, so the losses differ only by modes.
+The modes of window i come from ``schedule.modes(seq_len, i, run.train.seed)`` (the training
+loader's keying), so ``random_chunks`` reproduces the training eval's draws.
+"""
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from oryx_megatron.data.loader import parse_blend
+from oryx_megatron.data.modes import (
+    Mode, ModeSchedule, RandomChunks, all_attention, all_linear, build_mode_schedule, linear_then_attention,
+)
+from oryx_megatron.data.shards import Manifest
+from oryx_megatron.training.builders import build_loader
+from oryx_megatron.training.config import TrainConfig
+
+
+def dataset_vocab(run: TrainConfig) -> Tuple[int, int]:
+    """(tokenizer vocab size, EOD id) of the checkpoint's dataset: its manifest for shards;
+    model.vocab_size and data.eod_id for indexed data (no manifest)."""
+    if run.data.format == "indexed":
+        return run.model.vocab_size, run.data.eod_id
+    manifest = Manifest.read(parse_blend(run.data.data_path)[0][0])
+    return manifest.vocab_size, manifest.eod_id
+
+
+def heldout_batches(run: TrainConfig, num_batches: int, batch_size: int) -> List[Dict[str, Tensor]]:
+    """``num_batches`` held-out batches, tokens and labels [batch_size, seq_length] int64."""
+    run = dataclasses.replace(
+        run,
+        data=dataclasses.replace(run.data, num_workers=0),
+        train=dataclasses.replace(run.train, micro_batch_size=batch_size, global_batch_size=batch_size,
+                                  eval_iters=num_batches),
+    )
+    loader = build_loader(run, split="valid")
+    return [{key: batch[key] for key in ("tokens", "labels")} for batch, _ in zip(loader, range(num_batches))]
+
+
+@torch.no_grad()
+def token_losses(model, batches: List[Dict[str, Tensor]], schedule: ModeSchedule, seed: int) -> Tuple[Tensor, Tensor]:
+    """Per-token loss [n, s] fp32 of every window under ``schedule``, and the modes [n, s]."""
+    device = next(model.parameters()).device
+    losses, modes = [], []
+    first = 0  # global index of the batch's first window
+    for batch in batches:
+        b, s = batch["tokens"].shape
+        batch_modes = schedule.batch(s, range(first, first + b), seed)  # int8 [b, s]
+        loss = model(batch["tokens"].to(device), batch_modes.to(device), labels=batch["labels"].to(device))
+        losses.append(loss.float().cpu())
+        modes.append(batch_modes)
+        first += b
+    return torch.cat(losses), torch.cat(modes)
+
+
+def ppl_schedules(run: TrainConfig, attention_last: int) -> Dict[str, ModeSchedule]:
+    """The schedules of the ppl task; ``random_chunks`` is the training one (its defaults if the
+    run trained with another schedule)."""
+    train = build_mode_schedule(run.data.mode_schedule)
+    return {
+        "all_attention": all_attention(),
+        "all_linear": all_linear(),
+        "random_chunks": train if isinstance(train, RandomChunks) else RandomChunks(),
+        "linear_then_attention": linear_then_attention(attention_last),
+    }
+
+
+def _mean(values: Tensor) -> Optional[float]:
+    return float(values.mean()) if values.numel() else None
+
+
+def evaluate_ppl(model, run: TrainConfig, num_batches: int = 8, batch_size: int = 4,
+                 attention_last: Optional[int] = None) -> dict:
+    """Held-out loss and perplexity under each of ``ppl_schedules``; ``attention_last`` (default
+    seq_length // 8) is the attention tail of linear_then_attention. One row per schedule:
+    loss, perplexity = exp(loss), attention_fraction, loss over attention / linear tokens
+    (None when there are none)."""
+    seq_len = run.data.seq_length
+    attention_last = max(seq_len // 8, 1) if attention_last is None else attention_last
+    batches = heldout_batches(run, num_batches, batch_size)
+    rows = []
+    for name, schedule in ppl_schedules(run, attention_last).items():
+        loss, modes = token_losses(model, batches, schedule, run.train.seed)
+        attention = modes == Mode.ATTENTION
+        mean = float(loss.mean())
+        rows.append(dict(schedule=name, loss=mean, perplexity=math.exp(mean),
+                         attention_fraction=float(attention.float().mean()),
+                         loss_attention=_mean(loss[attention]), loss_linear=_mean(loss[~attention])))
+    return dict(task="ppl", tokens=num_batches * batch_size * seq_len, seq_length=seq_len,
+                attention_last=attention_last, rows=rows)

@@ -1,0 +1,98 @@
+"""Retrieval accuracy (MQAR, needle in a haystack) under all-attention, all-linear and mixed mode.
+
+Teacher-forced: one parallel forward per batch of samples; the prediction of an answer token
+is the argmax of the logits (restricted to the tokenizer's vocab) at the position before it.
+``accuracy``: samples whose answer tokens are all right; ``token_accuracy``: answer tokens
+right. ``mixed`` is the task's ``mixed_mode_schedule`` (linear context, attention on the
+question/answer span); ``attention_fraction`` is the share of input tokens read in attention.
+
+Ids: keys and values come from the largest id range of the tokenizer that leaves out the EOD
+id; NIAH uses the EOD id as its needle marker, so a held-out haystack (EOD removed between
+documents) never contains it.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from oryx_megatron.data.modes import Mode, ModeSchedule, all_attention, all_linear
+from oryx_megatron.eval.ppl import dataset_vocab, heldout_batches
+from oryx_megatron.eval.tasks import mqar, niah
+from oryx_megatron.training.config import TrainConfig
+
+TASKS = ("mqar", "niah")
+
+
+def id_range(vocab_size: int, reserved: int) -> Tuple[int, int]:
+    """The larger of [0, reserved) and [reserved + 1, vocab_size)."""
+    return (0, reserved) if reserved >= vocab_size - 1 - reserved else (reserved + 1, vocab_size)
+
+
+@torch.no_grad()
+def answer_accuracy(model, sample: Dict[str, np.ndarray], schedule: ModeSchedule, vocab_size: int,
+                    batch_size: int) -> dict:
+    """Exact-match and per-token accuracy of the answers, and the attention fraction of the modes."""
+    inputs, labels, mask = (torch.from_numpy(np.ascontiguousarray(sample[key]))
+                            for key in ("inputs", "labels", "answer_mask"))  # [n, L]
+    n, seq_len = inputs.shape
+    modes = schedule.batch(seq_len, range(n))  # int8 [n, L]
+    device = next(model.parameters()).device
+    correct = torch.cat([  # bool [n, L]
+        model(inputs[i : i + batch_size].to(device), modes[i : i + batch_size].to(device))[..., :vocab_size]
+        .argmax(-1).cpu() == labels[i : i + batch_size]
+        for i in range(0, n, batch_size)
+    ])
+    right = (correct | ~mask).all(1)  # [n]: every answer token right
+    return dict(accuracy=float(right.float().mean()), token_accuracy=float(correct[mask].float().mean()),
+                attention_fraction=float((modes == Mode.ATTENTION).float().mean()))
+
+
+def heldout_haystack(run: TrainConfig, tokens: int, eod_id: int) -> np.ndarray:
+    """At least ``tokens`` held-out tokens (EOD removed) as one stream [>= tokens]."""
+    windows = -(-2 * tokens // run.data.seq_length)  # twice the need: EODs are removed
+    stream = torch.cat([b["tokens"].flatten() for b in heldout_batches(run, windows, 1)]).numpy()
+    return stream[stream != eod_id]
+
+
+def build_task(task: str, run: TrainConfig, num_samples: int, seq_len: int, seed: int, haystack: str,
+               num_pairs: int, num_needles: int, key_len: int, value_len: int):
+    """(samples, mixed schedule, haystack source) of ``task`` for the checkpoint's vocab."""
+    vocab_size, eod_id = dataset_vocab(run)
+    ids = id_range(vocab_size, eod_id)
+    if task == "mqar":
+        cfg = mqar.MQARConfig(vocab_size, seq_len, num_pairs, seed=seed, id_range=ids)
+        return mqar.generate_mqar(cfg, num_samples), mqar.mixed_mode_schedule(cfg), None
+    if task != "niah":
+        raise ValueError(f"unknown retrieval task {task!r}; choose one of {', '.join(TASKS)}")
+    cfg = niah.NIAHConfig(vocab_size, seq_len, num_needles, key_len, value_len, marker_id=eod_id, id_range=ids,
+                          seed=seed)
+    stream, source = None, "random"
+    if haystack == "heldout":
+        try:
+            stream = heldout_haystack(run, cfg.haystack_len, eod_id)
+            source = "heldout"
+        except (OSError, ValueError) as e:
+            source = f"random (held-out data unavailable: {e})"
+    return niah.generate_niah(stream, cfg, num_samples), niah.mixed_mode_schedule(cfg), source
+
+
+def evaluate_retrieval(model, run: TrainConfig, task: str, num_samples: int = 64, seq_len: Optional[int] = None,
+                       batch_size: int = 8, seed: int = 0, haystack: str = "heldout", num_pairs: int = 8,
+                       num_needles: int = 1, key_len: int = 2, value_len: int = 4) -> dict:
+    """Accuracy of ``task`` ("mqar" or "niah") under all-attention, all-linear and mixed mode
+    (one row each); ``seq_len`` defaults to the checkpoint's data.seq_length."""
+    seq_len = seq_len or run.data.seq_length
+    sample, mixed, source = build_task(task, run, num_samples, seq_len, seed, haystack, num_pairs, num_needles,
+                                       key_len, value_len)
+    vocab_size = dataset_vocab(run)[0]
+    schedules = {"all_attention": all_attention(), "all_linear": all_linear(), "mixed": mixed}
+    rows = [dict(schedule=name, **answer_accuracy(model, sample, schedule, vocab_size, batch_size))
+            for name, schedule in schedules.items()]
+    result = dict(task=task, num_samples=num_samples, seq_len=seq_len, seed=seed,
+                  mixed_schedule=f"linear_then_attention(n_last={mixed.n_last})", rows=rows)
+    if task == "mqar":
+        result["num_pairs"] = num_pairs
+    else:
+        result.update(num_needles=num_needles, key_len=key_len, value_len=value_len, haystack=source)
+    return result

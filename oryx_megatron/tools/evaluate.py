@@ -1,0 +1,94 @@
+"""oryx-eval: evaluate a checkpoint under the inference mode schedules.
+
+    oryx-eval runs/ckpt --task ppl          # held-out perplexity per schedule
+    oryx-eval runs/ckpt --task mode_switch  # per-position loss around a mixer switch (+ CSV, PNG)
+    oryx-eval runs/ckpt --task mqar         # retrieval accuracy: attention / linear / mixed
+    oryx-eval runs/ckpt --task niah
+
+Each task prints a table and writes <out>/<task>.json (see docs/inference.md).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from oryx_megatron.eval.mode_switch import evaluate_mode_switch
+from oryx_megatron.eval.ppl import evaluate_ppl
+from oryx_megatron.eval.retrieval import evaluate_retrieval
+from oryx_megatron.tools.generate import add_model_arguments, load_checkpoint
+
+TASKS = ("ppl", "mode_switch", "mqar", "niah")
+
+
+def format_table(rows: List[dict]) -> str:
+    """Rows of equal keys as aligned columns; floats with 4 decimals, None as '-'."""
+    def cell(value):
+        return "-" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    columns = list(rows[0])
+    cells = [columns] + [[cell(row[c]) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in cells)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oryx-eval", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add_model_arguments(parser)
+    parser.add_argument("--task", required=True, choices=TASKS)
+    parser.add_argument("--out", default="eval", help="output directory (default ./eval)")
+    held_out = parser.add_argument_group("ppl and mode_switch (held-out windows of the checkpoint's dataset)")
+    held_out.add_argument("--num-batches", type=int, default=8)
+    held_out.add_argument("--batch-size", type=int, default=4, help="windows (or retrieval samples) per forward")
+    held_out.add_argument("--attention-last", type=int, help="ppl: attention tail of linear_then_attention "
+                                                             "(default seq_length // 8)")
+    held_out.add_argument("--switch-at", type=int, help="mode_switch: switch position (default seq_length // 2)")
+    held_out.add_argument("--smooth", type=int, default=16, help="mode_switch: trailing-mean width for convergence")
+    held_out.add_argument("--tolerance", type=float, default=0.05, help="mode_switch: relative convergence band")
+    retrieval = parser.add_argument_group("mqar and niah")
+    retrieval.add_argument("--num-samples", type=int, default=64)
+    retrieval.add_argument("--seq-len", type=int, help="sample length (default the checkpoint's data.seq_length)")
+    retrieval.add_argument("--seed", type=int, default=0)
+    retrieval.add_argument("--num-pairs", type=int, default=8, help="mqar: key-value pairs (all queried)")
+    retrieval.add_argument("--num-needles", type=int, default=1, help="niah: needles (> 1: multi-key)")
+    retrieval.add_argument("--key-len", type=int, default=2, help="niah: tokens per key")
+    retrieval.add_argument("--value-len", type=int, default=4, help="niah: tokens per value (the answer)")
+    retrieval.add_argument("--haystack", choices=("heldout", "random"), default="heldout",
+                           help="niah: held-out data tokens (random ids when unavailable) or random ids")
+    return parser
+
+
+def run_task(model, run, args: argparse.Namespace, out: Path) -> dict:
+    if args.task == "ppl":
+        return evaluate_ppl(model, run, args.num_batches, args.batch_size, args.attention_last)
+    if args.task == "mode_switch":
+        return evaluate_mode_switch(model, run, out, args.switch_at, args.num_batches, args.batch_size, args.smooth,
+                                    args.tolerance)
+    return evaluate_retrieval(model, run, args.task, args.num_samples, args.seq_len, args.batch_size, args.seed,
+                              args.haystack, args.num_pairs, args.num_needles, args.key_len, args.value_len)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("num_batches", "batch_size", "num_samples", "smooth"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    model, run = load_checkpoint(parser, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run_task(model, run, args, out)
+    except (OSError, ValueError) as e:
+        parser.error(f"--task {args.task}: {e}")
+    result["checkpoint"] = args.checkpoint
+    (out / f"{args.task}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(format_table(result["rows"]))
+    print(f"wrote {out / f'{args.task}.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

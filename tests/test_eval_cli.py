@@ -1,0 +1,137 @@
+"""oryx-eval and oryx-generate end to end on a tiny checkpoint trained here on byte-tokenized code."""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from oryx_megatron.eval.mode_switch import CSV_COLUMNS, tokens_to_converge
+from oryx_megatron.tools import evaluate, generate
+from oryx_megatron.train import pretrain
+from tests.test_train import corpus, run_config  # noqa: F401 (corpus is a fixture)
+
+BIN = os.path.dirname(sys.executable)
+TASK_KEYS = {
+    "ppl": {"schedule", "loss", "perplexity", "attention_fraction", "loss_attention", "loss_linear"},
+    "mode_switch": {"switch", "target", "loss_after_switch", "loss_target", "tokens_to_converge"},
+    "mqar": {"schedule", "accuracy", "token_accuracy", "attention_fraction"},
+    "niah": {"schedule", "accuracy", "token_accuracy", "attention_fraction"},
+}
+FAST = ["--num-batches", "2", "--batch-size", "2", "--num-samples", "8"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(corpus, tmp_path_factory, one_thread):  # noqa: F811
+    """A run's checkpoint.dir after 20 iterations of the tiny Oryx-TG (seq 64, byte vocab)."""
+    tmp = tmp_path_factory.mktemp("eval_ckpt")
+    run = run_config(corpus, tmp, "train.train_iters=20", "optimizer.lr=1e-2", "checkpoint.save_at_end=true")
+    assert pretrain(run, str(tmp / "out")) == 0
+    return str(tmp / "ckpt")
+
+
+def run_eval(checkpoint, tmp_path, task, *extra):
+    assert evaluate.main([checkpoint, "--task", task, "--out", str(tmp_path), *FAST, *extra]) == 0
+    result = json.loads((tmp_path / f"{task}.json").read_text())
+    assert result["task"] == task and result["rows"]
+    for row in result["rows"]:
+        assert set(row) == TASK_KEYS[task]
+    return result
+
+
+def test_ppl(checkpoint, tmp_path):
+    rows = {row["schedule"]: row for row in run_eval(checkpoint, tmp_path, "ppl", "--attention-last", "8")["rows"]}
+    assert set(rows) == {"all_attention", "all_linear", "random_chunks", "linear_then_attention"}
+    for row in rows.values():
+        assert math.isfinite(row["loss"]) and 1 < row["perplexity"] < 257
+    assert rows["all_attention"]["attention_fraction"] == 1 and rows["all_linear"]["attention_fraction"] == 0
+    assert rows["linear_then_attention"]["attention_fraction"] == 8 / 64
+    assert rows["all_linear"]["loss_attention"] is None
+
+
+def test_mode_switch(checkpoint, tmp_path):
+    result = run_eval(checkpoint, tmp_path, "mode_switch", "--switch-at", "32", "--smooth", "4")
+    assert result["switch_at"] == 32
+    with open(tmp_path / "mode_switch.csv") as f:
+        table = list(csv.DictReader(f))
+    assert tuple(table[0]) == CSV_COLUMNS and len(table) == 64
+    assert all(math.isfinite(float(v)) for line in table for v in line.values())
+    # before the switch the switched curves equal the single-mode curve of their first mode
+    first = table[10]
+    assert float(first["loss_attention_to_linear"]) == pytest.approx(float(first["loss_all_attention"]), rel=1e-4)
+    assert float(first["loss_linear_to_attention"]) == pytest.approx(float(first["loss_all_linear"]), rel=1e-4)
+    assert (tmp_path / "mode_switch.png").stat().st_size > 1000
+    for row in result["rows"]:
+        assert row["tokens_to_converge"] is None or 0 <= row["tokens_to_converge"] < 32
+
+
+def test_tokens_to_converge_definition():
+    target = torch.full((20,), 2.0).numpy()
+    switched = target.copy()
+    switched[10:14] = 3.0  # positions 10..13 far off, then equal
+    assert tokens_to_converge(switched, target, 10, 1, 0.05) == 4
+    assert tokens_to_converge(switched, target, 10, 2, 0.05) == 5  # the mean over (13, 14) is still off
+    assert tokens_to_converge(target, target, 10, 4, 0.05) == 0
+    assert tokens_to_converge(target + 1, target, 10, 4, 0.05) is None
+
+
+@pytest.mark.parametrize("task", ["mqar", "niah"])
+def test_retrieval(checkpoint, tmp_path, task):
+    extra = ["--num-pairs", "4"] if task == "mqar" else []
+    result = run_eval(checkpoint, tmp_path, task, *extra)
+    rows = {row["schedule"]: row for row in result["rows"]}
+    assert set(rows) == {"all_attention", "all_linear", "mixed"}
+    for row in rows.values():
+        assert 0 <= row["accuracy"] <= row["token_accuracy"] <= 1
+    attention_tokens = 2 * 4 - 1 if task == "mqar" else 2 + 4  # 2 Q - 1; key_len + value_len
+    assert rows["mixed"]["attention_fraction"] == attention_tokens / 64
+    if task == "niah":
+        assert result["haystack"] == "heldout"
+
+
+def test_cli_subprocesses(checkpoint, tmp_path):
+    """Both console scripts, run side by side."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([f"{BIN}/oryx-eval", checkpoint, "--task", "mqar", "--out", str(tmp_path), *FAST],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
+        subprocess.Popen([f"{BIN}/oryx-generate", checkpoint, "--prompt", "def ", "import os\n",
+                          "--schedule", "prefill=linear decode=attention", "--max-new-tokens", "6",
+                          "--temperature", "0.8", "--top-k", "20"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
+    ]
+    (eval_out, eval_err), (gen_out, gen_err) = (p.communicate(timeout=120) for p in procs)
+    assert procs[0].returncode == 0, eval_err
+    assert "mixed" in eval_out and (tmp_path / "mqar.json").exists()
+    assert procs[1].returncode == 0, gen_err
+    assert gen_out.count("=== [") == 2
+    for key in ("tokens fed in attention mode", "tokens fed in linear mode", "attention-token fraction",
+                "prefill tokens/s", "decode tokens/s", "cache kv bytes", "cache recurrent bytes"):
+        assert key in gen_out
+
+
+def test_generate_in_process(checkpoint, capsys):
+    assert generate.main([checkpoint, "--prompt", "class ", "--schedule", "linear:0-3,attention:3-",
+                          "--max-new-tokens", "4", "--stop", "\n"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("=== [0]") and "schedule: linear:0-3,attention:3-" in out
+
+
+@pytest.mark.parametrize("main, argv, expected", [
+    (evaluate.main, ["{missing}", "--task", "ppl"], "checkpoint {missing}"),
+    (evaluate.main, ["{ckpt}", "--task", "bleu"], "argument --task: invalid choice: 'bleu'"),
+    (generate.main, ["{ckpt}", "--prompt", "x", "--schedule", "prefill=linear decode=sideways"],
+     "argument --schedule: inference schedule 'prefill=linear decode=sideways'"),
+    (generate.main, ["{ckpt}", "--prompt-file", "{missing}"], "--prompt-file {missing}"),
+    (generate.main, ["{ckpt}", "--prompt", "x", "--stop", "ab"], "--stop 'ab' encodes to 2 tokens"),
+])
+def test_bad_input_names_it(checkpoint, tmp_path, capsys, main, argv, expected):
+    paths = {"missing": str(tmp_path / "nowhere"), "ckpt": checkpoint}
+    with pytest.raises(SystemExit) as exit_info:
+        main([a.format(**paths) for a in argv])
+    assert exit_info.value.code == 2
+    assert expected.format(**paths) in capsys.readouterr().err
