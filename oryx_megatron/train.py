@@ -92,16 +92,18 @@ def pretrain(run: TrainConfig, output_dir: str) -> int:
         save = partial(_save, ckpt_dir, model, optimizer, scheduler, loaders[0], run_yaml)
         stop_at = min(total_iters, iteration + (run.train.exit_interval or total_iters))
         first_iteration, exit_code, last_eval = iteration, 0, None
-        interval_start, interval_first = time.perf_counter(), iteration
+        interval = Interval()  # steps since the last log line
 
         while iteration < stop_at:
-            report = train_step(run, model, optimizer, loaders)
+            loss_sums, grad_norm = train_step(run, model, optimizer, loaders)
             scheduler.step(increment=1)
             iteration += 1
-            if iteration % run.train.log_interval == 0 or iteration == stop_at:
-                elapsed = (time.perf_counter() - interval_start) / (iteration - interval_first)
-                world = dist.get_world_size()
+            interval.add(loss_sums, grad_norm)
+            if iteration % run.train.log_interval == 0 or iteration == stop_at:  # means over the interval
+                elapsed, world = interval.seconds_per_step(), dist.get_world_size()
+                report = _loss_metrics(interval.loss_sums, "train")
                 report.update({
+                    "train/grad_norm": interval.mean_grad_norm(),
                     "train/lr": optimizer.param_groups[0]["lr"],
                     "perf/tokens_per_s": tokens_per_iter / elapsed,
                     "perf/tflops": flops_per_iter / elapsed / world / 1e12,
@@ -109,11 +111,12 @@ def pretrain(run: TrainConfig, output_dir: str) -> int:
                     "perf/memory_gb": memory_gb(),
                 })
                 metrics.log(iteration, report)
-                interval_start, interval_first = time.perf_counter(), iteration
+                interval = Interval()
             if run.train.eval_interval and iteration % run.train.eval_interval == 0:
+                eval_start = time.perf_counter()
                 metrics.log(iteration, evaluate(run, model))
+                interval.start += time.perf_counter() - eval_start  # eval time is not training time
                 last_eval = iteration
-                interval_start = time.perf_counter()
             if run.checkpoint.save_interval and iteration % run.checkpoint.save_interval == 0:
                 save(iteration)
             if preemption.should_stop():
@@ -133,14 +136,15 @@ def pretrain(run: TrainConfig, output_dir: str) -> int:
     return exit_code
 
 
-def train_step(run: TrainConfig, model, optimizer, loaders) -> Dict[str, float]:
-    """One optimizer step over the global batch (micro-batched, pipelined); returns metrics."""
+def train_step(run: TrainConfig, model, optimizer, loaders):
+    """One optimizer step over the global batch (micro-batched, pipelined); returns the loss
+    sums (see ``_loss_sums``) and the gradient norm."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     reports = _forward_backward(run, model, loaders, forward_only=False)
     _, grad_norm, _ = optimizer.step()
-    return {**_loss_metrics(reports, "train"), "train/grad_norm": grad_norm}
+    return _loss_sums(reports), grad_norm
 
 
 @torch.no_grad()
@@ -155,7 +159,7 @@ def evaluate(run: TrainConfig, model) -> Dict[str, float]:
         reports = []
         for _ in range(run.train.eval_iters):
             reports += _forward_backward(run, model, loaders, forward_only=True)
-        results[f"eval/loss_{name}"] = _loss_metrics(reports, "eval")["eval/loss"]
+        results[f"eval/loss_{name}"] = _loss_metrics(_loss_sums(reports), "eval")["eval/loss"]
     for chunk in model:
         chunk.train()
     return results
@@ -193,13 +197,36 @@ def _loss(loss_mask, modes, per_token_loss):
     return total, count.int(), {"loss_sums": report}
 
 
-def _loss_metrics(reports: List[dict], split: str) -> Dict[str, float]:
-    """Reduce the micro-batch sums over data-parallel ranks (last pipeline stage only)."""
-    if not reports:
-        return {}
-    sums = torch.stack([r["loss_sums"] for r in reports]).sum(0)
-    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+class Interval:
+    """Loss sums, gradient norms and wall time of the steps since the last log line."""
+
+    def __init__(self):
+        self.start, self.loss_sums, self.grad_norms = time.perf_counter(), 0, []
+
+    def add(self, loss_sums: torch.Tensor, grad_norm: float) -> None:
+        self.loss_sums, self.grad_norms = self.loss_sums + loss_sums, self.grad_norms + [grad_norm]
+
+    def seconds_per_step(self) -> float:
+        return (time.perf_counter() - self.start) / len(self.grad_norms)
+
+    def mean_grad_norm(self) -> float:
+        return sum(self.grad_norms) / len(self.grad_norms)
+
+
+def _loss_sums(reports: List[dict]) -> torch.Tensor:
+    """[loss sum, tokens, attention-mode loss sum, attention-mode tokens] of the global batch
+    (micro-batches summed, all-reduced over data-parallel ranks); zeros off the last stage."""
+    sums = torch.zeros(4, dtype=torch.float64)
+    if reports:
+        sums = torch.stack([r["loss_sums"] for r in reports]).sum(0).double()
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+    return sums
+
+
+def _loss_metrics(sums: torch.Tensor, split: str) -> Dict[str, float]:
     total, count, attn_total, attn_count = sums.tolist()
+    if not count:  # not the last pipeline stage: nothing to report
+        return {}
     lin_count = count - attn_count
     return {
         f"{split}/loss": total / count,
