@@ -47,7 +47,7 @@ def test_loglikelihood_matches_score_and_model_loss(lm):
     ctx = [int(i) for i in tok.encode_batch([context])[0]]
     cont = [int(i) for i in tok.encode_batch([continuation])[0]]
     (logprob, greedy), = lm.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)])
-    expected, expected_greedy = score_continuation(lm.model, ctx, cont, lm.schedule, lm.vocab_size)
+    expected, expected_greedy = score_continuation(lm.model, ctx, cont, lm.schedule)
     assert logprob == pytest.approx(expected, abs=1e-5) and greedy == expected_greedy
     assert logprob < 0
 
@@ -57,21 +57,13 @@ def test_loglikelihood_matches_score_and_model_loss(lm):
     with torch.no_grad():
         loss = lm.model(seq[:, :-1], modes, labels=seq[:, 1:])  # [1, s] per-token loss
     model_logprob = -float(loss[0, len(ctx) - 1:].sum())
-    # the model's loss normalises over its padded vocab; scored over that vocab, the adapter's
-    # forward gives exactly the model's own loss, and the tokenizer-vocab restriction only
-    # renormalises (the padded ids take some mass in an under-trained model)
-    unrestricted, _ = score_continuation(lm.model, ctx, cont, lm.schedule, lm.model.vocab_size)
-    assert unrestricted == pytest.approx(model_logprob, abs=1e-5)
-    if lm.model.vocab_size == lm.vocab_size:
-        assert logprob == pytest.approx(model_logprob, abs=1e-5)
-    else:
-        assert logprob >= model_logprob - 1e-5
+    assert logprob == pytest.approx(model_logprob, abs=1e-5)  # the model's own log-likelihood
 
     # batched (right-padded) scoring equals one-at-a-time scoring
     requests = [Instance("loglikelihood", {}, (c, " " + x), 0) for c, x in [("import", "os"), ("x", "= 1\nprint(x)")]]
     for (batched, _), request in zip(lm.loglikelihood(requests), requests):
         c, x = lm._encode_pair(*request.args)
-        assert batched == pytest.approx(score_continuation(lm.model, c, x, lm.schedule, lm.vocab_size)[0], abs=1e-5)
+        assert batched == pytest.approx(score_continuation(lm.model, c, x, lm.schedule)[0], abs=1e-5)
 
 
 def test_rolling_and_generate(lm):
@@ -110,6 +102,6 @@ def test_simple_evaluate_multiple_choice(checkpoint, tmp_path):
     for doc in DOCS:
         ctx = [int(i) for i in lm.tokenizer.encode_batch([doc["question"]])[0]]
         scores = [score_continuation(lm.model, ctx, [int(i) for i in lm.tokenizer.encode_batch([" " + c])[0]],
-                                     "all-attention", lm.vocab_size)[0] for c in doc["choices"]]
+                                     "all-attention")[0] for c in doc["choices"]]
         correct += int(max(range(len(scores)), key=lambda i: (scores[i], -i)) == doc["label"])
     assert acc == pytest.approx(correct / len(DOCS))

@@ -19,8 +19,8 @@ Modes follow ``oryx_megatron.inference`` exactly: for a (context, continuation) 
 context is the prompt and the continuation the generated tokens, so the fed tokens are
 ``context + continuation[:-1]`` with modes ``schedule.modes(len(context), len(context) +
 len(continuation) - 1)``, the modes ``generate`` would use to produce that continuation.
-All of a request's log-probs come from one parallel forward; logits beyond the tokenizer's
-vocab (the padded vocab) are dropped before the log_softmax. ``loglikelihood_rolling``
+All of a request's log-probs come from one parallel forward and are the model's own: the
+softmax runs over the model's (padded) vocab, as in its training loss. ``loglikelihood_rolling``
 scores every token of a text given the EOD token (the prompt); texts longer than max_length
 are scored in lm-eval's disjoint rolling windows, each window's context as its prompt.
 """
@@ -55,8 +55,8 @@ def pair_modes(schedule, context_len: int, continuation_len: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def continuation_logprobs(model, sequences: Sequence[Tuple[Sequence[int], Sequence[int]]], schedule,
-                          vocab_size: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def continuation_logprobs(model, sequences: Sequence[Tuple[Sequence[int], Sequence[int]]],
+                          schedule) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """For each (context, continuation): (log-prob [len(continuation)] fp32 of each
     continuation token, whether it is the argmax [len(continuation)] bool), from one parallel
     forward of the batch (right-padded; the model is causal, so padding never reaches a scored
@@ -83,7 +83,7 @@ def continuation_logprobs(model, sequences: Sequence[Tuple[Sequence[int], Sequen
         model.train(was_training)
     if getattr(model, "parallel_output", False):
         logits = gather_from_tensor_model_parallel_region(logits)
-    logprobs = F.log_softmax(logits[..., :vocab_size].float(), dim=-1)
+    logprobs = F.log_softmax(logits.float(), dim=-1)
     out = []
     for i, (context, continuation) in enumerate(sequences):
         rows = logprobs[i, len(context) - 1 : lengths[i]]  # the reads that predict the continuation
@@ -92,10 +92,10 @@ def continuation_logprobs(model, sequences: Sequence[Tuple[Sequence[int], Sequen
     return out
 
 
-def score_continuation(model, context_ids: Sequence[int], continuation_ids: Sequence[int], schedule,
-                       vocab_size: int) -> Tuple[float, bool]:
+def score_continuation(model, context_ids: Sequence[int], continuation_ids: Sequence[int],
+                       schedule) -> Tuple[float, bool]:
     """(sum of the continuation's log-probs, whether every continuation token is greedy)."""
-    logprobs, greedy = continuation_logprobs(model, [(context_ids, continuation_ids)], schedule, vocab_size)[0]
+    logprobs, greedy = continuation_logprobs(model, [(context_ids, continuation_ids)], schedule)[0]
     return float(logprobs.sum()), bool(greedy.all())
 
 
@@ -163,7 +163,7 @@ class OryxLM(LM):
         results: List[Optional[Tuple[float, bool]]] = [None] * len(pairs)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
-            scored = continuation_logprobs(self.model, [pairs[i] for i in chunk], self.schedule, self.vocab_size)
+            scored = continuation_logprobs(self.model, [pairs[i] for i in chunk], self.schedule)
             for i, (logprobs, greedy) in zip(chunk, scored):
                 results[i] = (float(logprobs.sum()), bool(greedy.all()))
         return results
