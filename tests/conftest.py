@@ -25,3 +25,39 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """Byte-tokenized standard-library sources: 4 shards (the last one held out), and the same
+    documents as a Megatron .bin/.idx dataset (whose samples do not depend on the layout)."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from data_prep.inputs import InputOptions, stdlib_files
+    from data_prep.pipeline import tokenize_corpus
+    from data_prep.tokenizer import ByteTokenizer
+
+    root = tmp_path_factory.mktemp("corpus")
+    files = stdlib_files()[:60]
+    manifest = tokenize_corpus(files, root / "shards", ByteTokenizer(), shard_bytes=sum(f.stat().st_size for f in files) // 4,
+                               workers=1, options=InputOptions(), progress=False)
+    builder = IndexedDatasetBuilder(str(root / "indexed.bin"), dtype=np.uint16)
+    for f in files:
+        builder.add_item(torch.from_numpy(np.append(np.frombuffer(f.read_bytes(), np.uint8), 256).astype(np.int64)))
+        builder.end_document()
+    builder.finalize(str(root / "indexed.idx"))
+    return {"shards": str(root / "shards"), "indexed": str(root / "indexed"), "shard_count": len(manifest.shards)}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(corpus, tmp_path_factory):
+    """A run's checkpoint.dir after 20 iterations of the tiny Oryx-TG (seq 64, byte vocab)."""
+    from oryx_megatron.train import pretrain
+    from tests.test_train import run_config
+
+    tmp = tmp_path_factory.mktemp("tiny_ckpt")
+    run = run_config(corpus, tmp, "train.train_iters=20", "optimizer.lr=1e-2", "checkpoint.save_at_end=true")
+    assert pretrain(run, str(tmp / "out")) == 0
+    return str(tmp / "ckpt")

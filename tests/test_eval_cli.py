@@ -12,8 +12,6 @@ import torch
 
 from oryx_megatron.eval.mode_switch import CSV_COLUMNS, tokens_to_converge
 from oryx_megatron.tools import evaluate, generate
-from oryx_megatron.train import pretrain
-from tests.test_train import corpus, run_config  # noqa: F401 (corpus is a fixture)
 
 BIN = os.path.dirname(sys.executable)
 TASK_KEYS = {
@@ -26,12 +24,8 @@ FAST = ["--num-batches", "2", "--batch-size", "2", "--num-samples", "8"]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(corpus, tmp_path_factory, one_thread):  # noqa: F811
-    """A run's checkpoint.dir after 20 iterations of the tiny Oryx-TG (seq 64, byte vocab)."""
-    tmp = tmp_path_factory.mktemp("eval_ckpt")
-    run = run_config(corpus, tmp, "train.train_iters=20", "optimizer.lr=1e-2", "checkpoint.save_at_end=true")
-    assert pretrain(run, str(tmp / "out")) == 0
-    return str(tmp / "ckpt")
+def checkpoint(tiny_checkpoint, one_thread):
+    return tiny_checkpoint
 
 
 def run_eval(checkpoint, tmp_path, task, *extra):

@@ -14,8 +14,6 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from oryx_megatron.eval.lm_eval_adapter import OryxLM, pair_modes, score_continuation  # noqa: E402
-from oryx_megatron.train import pretrain  # noqa: E402
-from tests.test_train import corpus, run_config  # noqa: E402,F401 (corpus is a fixture)
 
 DOCS = [
     {"question": "import", "choices": ["os", "}{", "9x"], "label": 0},
@@ -28,12 +26,8 @@ DOCS = [
 
 
 @pytest.fixture(scope="module")
-def checkpoint(corpus, tmp_path_factory, one_thread):  # noqa: F811
-    """A run's checkpoint.dir after 20 iterations of the tiny Oryx-TG (seq 64, byte vocab)."""
-    tmp = tmp_path_factory.mktemp("lm_eval_ckpt")
-    run = run_config(corpus, tmp, "train.train_iters=20", "optimizer.lr=1e-2", "checkpoint.save_at_end=true")
-    assert pretrain(run, str(tmp / "out")) == 0
-    return str(tmp / "ckpt")
+def checkpoint(tiny_checkpoint, one_thread):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

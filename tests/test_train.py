@@ -10,15 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from omegaconf import OmegaConf
 
-from data_prep.inputs import InputOptions, stdlib_files
-from data_prep.pipeline import tokenize_corpus
-from data_prep.tokenizer import ByteTokenizer
 from oryx_megatron.launch import REQUEUE_EXIT_CODE
 from oryx_megatron.train import RECIPES, pretrain
 from oryx_megatron.training.config import ConfigError, load_train_config
@@ -34,22 +29,6 @@ TINY_TRAIN = [
     "train.global_batch_size=8", "train.log_interval=1", "train.eval_interval=null",
     "optimizer.lr_warmup_iters=2", "logging.wandb_mode=disabled", "checkpoint.save_at_end=false",
 ]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Byte-tokenized standard-library sources: 4 shards (the last one held out), and the same
-    documents as a Megatron .bin/.idx dataset (whose samples do not depend on the layout)."""
-    root = tmp_path_factory.mktemp("corpus")
-    files = stdlib_files()[:60]
-    manifest = tokenize_corpus(files, root / "shards", ByteTokenizer(), shard_bytes=sum(f.stat().st_size for f in files) // 4,
-                               workers=1, options=InputOptions(), progress=False)
-    builder = IndexedDatasetBuilder(str(root / "indexed.bin"), dtype=np.uint16)
-    for f in files:
-        builder.add_item(torch.from_numpy(np.append(np.frombuffer(f.read_bytes(), np.uint8), 256).astype(np.int64)))
-        builder.end_document()
-    builder.finalize(str(root / "indexed.idx"))
-    return {"shards": str(root / "shards"), "indexed": str(root / "indexed"), "shard_count": len(manifest.shards)}
 
 
 def run_config(corpus, tmp_path, *overrides, indexed=False):
