@@ -129,3 +129,10 @@ def test_bad_input_names_it(checkpoint, tmp_path, capsys, main, argv, expected):
         main([a.format(**paths) for a in argv])
     assert exit_info.value.code == 2
     assert expected.format(**paths) in capsys.readouterr().err
+
+
+def test_results_can_go_to_wandb_offline(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_eval(checkpoint, tmp_path, "ppl", "--wandb", "offline")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))

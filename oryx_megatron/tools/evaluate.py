@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.add_argument("--task", required=True, choices=TASKS)
     parser.add_argument("--out", default="eval", help="output directory (default ./eval)")
+    parser.add_argument("--wandb", choices=("disabled", "offline", "online"), default="disabled",
+                        help="also log the result to W&B (project oryx-megatron, job type eval)")
     held_out = parser.add_argument_group("ppl and mode_switch (held-out windows of the checkpoint's dataset)")
     held_out.add_argument("--num-batches", type=int, default=8)
     held_out.add_argument("--batch-size", type=int, default=4, help="windows (or retrieval samples) per forward")
@@ -87,7 +89,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     (out / f"{args.task}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result["rows"]))
     print(f"wrote {out / f'{args.task}.json'}")
+    if args.wandb != "disabled":
+        log_to_wandb(result, args, out)
     return 0
+
+
+def log_to_wandb(result: dict, args: argparse.Namespace, out: Path) -> None:
+    """The result's rows as a W&B table and flat metrics; a W&B failure is only reported."""
+    try:
+        import wandb
+
+        run = wandb.init(mode=args.wandb, project="oryx-megatron", job_type="eval", dir=str(out),
+                         config={"task": args.task, "checkpoint": args.checkpoint})
+        rows = result["rows"]
+        run.log({f"{args.task}/table": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
+        label = next(iter(rows[0]))  # the first column names the row (schedule or switch)
+        run.log({f"{args.task}/{row[label]}/{key}": value for row in rows for key, value in row.items()
+                 if isinstance(value, (int, float)) and not isinstance(value, bool)})
+        run.finish()
+    except Exception as e:  # the result is on disk already
+        print(f"W&B logging failed: {e!r}", file=sys.stderr)
 
 
 if __name__ == "__main__":
