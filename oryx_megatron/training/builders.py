@@ -12,6 +12,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from oryx_megatron.data.indexed import IndexedLoader
 from oryx_megatron.data.loader import ShardLoader
+from oryx_megatron.data.synthetic import MQARLoader
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.training.config import TrainConfig, train_iters
 
@@ -98,7 +99,8 @@ def build_scheduler(run: TrainConfig, optimizer) -> OptimizerParamScheduler:
 
 
 def build_loader(run: TrainConfig, split: str = "train", mode_schedule=None):
-    """The loader of this data-parallel rank ("train", or the held-out "valid" split)."""
+    """The loader of this data-parallel rank ("train", or the held-out "valid" split; for mqar
+    a separate seed stream)."""
     d, t = run.data, run.train
     common = dict(
         seq_len=d.seq_length,
@@ -109,6 +111,10 @@ def build_loader(run: TrainConfig, split: str = "train", mode_schedule=None):
         num_workers=d.num_workers,
         mode_schedule=mode_schedule or d.mode_schedule,
     )
+    if d.format == "mqar":
+        common.pop("num_workers")
+        return MQARLoader(vocab_size=d.mqar_vocab_size or run.model.vocab_size, num_pairs=d.mqar_num_pairs,
+                          split=split, **common)
     if d.format == "indexed":
         iters = train_iters(run) if split == "train" else t.eval_iters
         return IndexedLoader(d.data_path, num_samples=iters * t.global_batch_size, eod_id=d.eod_id,

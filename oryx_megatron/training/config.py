@@ -17,7 +17,7 @@ from oryx_megatron.models.builder import ModelArgs
 
 @dataclass
 class DataConfig:
-    format: str = "shards"  # "shards" (oryx-prep manifests) or "indexed" (Megatron .bin/.idx)
+    format: str = "shards"  # "shards" (oryx-prep manifests), "indexed" (Megatron .bin/.idx) or "mqar" (synthetic)
     data_path: List[str] = field(default_factory=list)  # paths, or Megatron's [w1, p1, w2, p2, ...]
     seq_length: int = 512
     num_workers: int = 0
@@ -27,6 +27,8 @@ class DataConfig:
     mode_schedule: Dict[str, Any] = field(
         default_factory=lambda: {"name": "random_chunks", "chunk_size": 128, "p_attention": 0.5}
     )
+    mqar_num_pairs: int = 8  # mqar: key-value pairs (and queries) per sample
+    mqar_vocab_size: Optional[int] = None  # mqar: ids drawn from [0, this); None: model.vocab_size
 
 
 @dataclass
@@ -104,7 +106,7 @@ class TrainConfig:
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 CHOICES = {
-    "data.format": ("shards", "indexed"),
+    "data.format": ("shards", "indexed", "mqar"),
     "optimizer.optimizer": ("adam", "sgd"),
     "optimizer.lr_decay_style": ("cosine", "linear", "constant", "WSD"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
@@ -159,10 +161,23 @@ def _check_values(run: TrainConfig) -> None:
             f"config key 'train.global_batch_size': {t.global_batch_size} is not a multiple of "
             f"train.micro_batch_size={t.micro_batch_size}"
         )
-    if not run.data.data_path:
+    if run.data.format != "mqar" and not run.data.data_path:
         raise ConfigError("config key 'data.data_path': no dataset given")
     if run.data.format == "indexed" and run.data.eod_id is None:
         raise ConfigError("config key 'data.eod_id': required with data.format=indexed")
+    if run.data.format == "mqar" and run.data.mqar_vocab_size is not None and not (
+            2 <= run.data.mqar_vocab_size <= run.model.vocab_size):
+        raise ConfigError(
+            f"config key 'data.mqar_vocab_size': {run.data.mqar_vocab_size} must be in "
+            f"[2, model.vocab_size={run.model.vocab_size}]"
+        )
+    if run.data.format == "mqar":
+        from oryx_megatron.eval.tasks.mqar import MQARConfig
+
+        try:
+            MQARConfig(run.data.mqar_vocab_size or run.model.vocab_size, run.data.seq_length, run.data.mqar_num_pairs)
+        except ValueError as e:
+            raise ConfigError(f"config keys 'data.mqar_*' / 'data.seq_length': {e}") from None
     if run.data.seq_length > run.model.max_sequence_length:
         raise ConfigError(
             f"config key 'data.seq_length': {run.data.seq_length} exceeds "
