@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import DictConfig, OmegaConf
 
+from oryx_megatron import RECIPES_DIR
 from oryx_megatron.compat.cpu import cuda_to_cpu
 from oryx_megatron.data.modes import Mode, build_mode_schedule
 from oryx_megatron.launch import REQUEUE_EXIT_CODE, exit_for_requeue
@@ -39,11 +40,10 @@ from oryx_megatron.training.config import TrainConfig, load_train_config, train_
 from oryx_megatron.training.metrics import MetricsLogger, flops_per_token, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 logger = logging.getLogger("oryx_megatron.train")
 
 
-@hydra.main(config_path=str(RECIPES), config_name="train", version_base=None)
+@hydra.main(config_path=str(RECIPES_DIR), config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     run = load_train_config(cfg)  # a bad key or value fails here, before any process group
     output_dir = run.logging.output_dir or HydraConfig.get().runtime.output_dir

@@ -15,7 +15,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from oryx_megatron.launch import REQUEUE_EXIT_CODE
-from oryx_megatron.train import RECIPES, pretrain
+from oryx_megatron import RECIPES_DIR
+from oryx_megatron.train import pretrain
 from oryx_megatron.training.config import ConfigError, load_train_config
 from tests.distributed import run_distributed
 
@@ -35,7 +36,7 @@ def run_config(corpus, tmp_path, *overrides, indexed=False):
     data = (["data.format=indexed", f"data.data_path=[{corpus['indexed']}]", "data.eod_id=256",
              "data.split='85,15,0'"] if indexed
             else [f"data.data_path=[{corpus['shards']}]"])
-    with initialize_config_dir(str(RECIPES), version_base=None):
+    with initialize_config_dir(str(RECIPES_DIR), version_base=None):
         cfg = compose("train", overrides=[*TINY_MODEL, *TINY_TRAIN, *data,
                                           f"checkpoint.dir={tmp_path / 'ckpt'}", *overrides])
     return load_train_config(cfg)

@@ -10,17 +10,16 @@ included); ``shared_fraction`` is the smaller of the two (the paper claims >= 0.
 
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Dict, List
 
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from oryx_megatron import RECIPES_DIR
 from oryx_megatron.models.builder import ModelArgs, build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 COMPONENTS = ("embedding", "mixer", "mlp", "norm", "output_layer")
 
 

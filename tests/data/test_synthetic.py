@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 from oryx_megatron.data.modes import random_chunks
 from oryx_megatron.data.synthetic import MQARLoader
 from oryx_megatron.eval.tasks.mqar import solve_mqar
-from oryx_megatron.train import RECIPES, pretrain
+from oryx_megatron import RECIPES_DIR
+from oryx_megatron.train import pretrain
 from oryx_megatron.training.config import ConfigError, load_train_config
 
 SCHEDULE = {"name": "random_chunks", "chunk_size": 8, "p_attention": 0.5}
@@ -93,7 +94,7 @@ def test_pretrain_runs_on_mqar(tmp_path):
         "optimizer.lr_warmup_iters=2", "logging.wandb_mode=disabled", "checkpoint.save_at_end=false",
         f"checkpoint.dir={tmp_path / 'ckpt'}",
     ]
-    with initialize_config_dir(str(RECIPES), version_base=None):
+    with initialize_config_dir(str(RECIPES_DIR), version_base=None):
         run = load_train_config(compose("train", overrides=overrides))
     assert run.data.format == "mqar" and not run.data.data_path
     assert pretrain(run, str(tmp_path / "out")) == 0
@@ -106,7 +107,7 @@ def test_pretrain_runs_on_mqar(tmp_path):
 
 def test_mqar_config_needs_no_data_path_and_checks_the_task_sizes():
     def load(*overrides):
-        with initialize_config_dir(str(RECIPES), version_base=None):
+        with initialize_config_dir(str(RECIPES_DIR), version_base=None):
             return load_train_config(compose("train", overrides=["checkpoint.dir=/tmp/unused", *overrides]))
 
     run = load("data=mqar")
