@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test demo venv clean
+.PHONY: test demo experiments venv clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,11 +25,19 @@ test: venv
 
 # The main job on the embedded default: tokenize the Python standard library, train the tiny
 # Oryx-TG for a few minutes on CPU, evaluate per-mode held-out loss, plot the loss curve.
-demo: venv
-	test -f data/stdlib/manifest.json || $(VENV)/bin/oryx-prep tokenize --stdlib --out data/stdlib \
-		--vocab-size 4096 --shard-size 4M --workers 2
+demo: venv data/stdlib/manifest.json
 	rm -rf runs/demo
 	$(VENV)/bin/oryx-train hydra.run.dir=runs/demo checkpoint.dir=runs/demo/checkpoints
+
+# The embedded corpus: the Python standard library, byte-level BPE with 4096 tokens.
+data/stdlib/manifest.json: | venv
+	$(VENV)/bin/oryx-prep tokenize --stdlib --out data/stdlib --vocab-size 4096 --shard-size 4M --workers 2
+
+# The paper-claim experiments of docs/results.md (recipes/experiment/), in dependency order:
+# E3 and the ablations reuse E2's runs. Outputs in runs/experiments/<name>/.
+EXPERIMENTS := e1_retrieval e2_lm e3_mode_switch a1_shared_query a2_sequence_mixing
+experiments: venv data/stdlib/manifest.json
+	for e in $(EXPERIMENTS); do $(VENV)/bin/oryx-experiment $$e || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -43,6 +43,10 @@ class OryxConfig(TransformerConfig):
     """Give the attention query a short conv too (the paper leaves this open; off = a plain
     Transformer query)."""
 
+    shared_query: bool = False
+    """One query for both mixers: the linear query ``act(conv_q(W_Q x))`` is also the attention
+    query, as the key is (ablation A1; the paper reports that sharing hurts). Multi-mixer only."""
+
     attention_rotary: bool = True
     """Rotary embedding on the attention query and key (inside the attention path only)."""
 
@@ -82,6 +86,8 @@ class OryxConfig(TransformerConfig):
             raise ValueError(
                 f"mixer_conv_activation={self.mixer_conv_activation!r}: expected 'silu' or None"
             )
+        if self.shared_query and not self.is_multi_mixer:
+            raise ValueError(f"shared_query=True needs two mixers to share it, got mixers={self.mixers!r}")
         if self.attention_rotary and self.kv_channels % 2:
             raise ValueError(f"kv_channels={self.kv_channels} must be even for rotary embedding")
         if self.transformer_impl not in ("local", "transformer_engine"):

@@ -25,7 +25,7 @@ def assert_samples_equal(a, b):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("filler_id", [None, 3])
+@pytest.mark.parametrize("filler_id", [None, 63])
 def test_mqar_answers_are_recoverable(filler_id):
     for seed in range(20):
         cfg = MQARConfig(vocab_size=64, seq_len=48, num_pairs=8, num_queries=5, seed=seed, filler_id=filler_id)
@@ -113,6 +113,7 @@ def niah(**fields):
         (lambda: mqar(num_pairs=0), r"MQARConfig.num_pairs must be an integer >= 1"),
         (lambda: mqar(id_range=(10, 80)), r"MQARConfig.id_range=\(10, 80\)"),
         (lambda: mqar(filler_id=64), r"MQARConfig.filler_id=64"),
+        (lambda: mqar(filler_id=3), r"MQARConfig.filler_id=3 is a key id \(keys are \[0, 32\)\)"),
         (lambda: generate_mqar(mqar(), 0), r"n_samples must be an integer >= 1"),
         (lambda: niah(seq_len=20, num_needles=3), r"NIAHConfig.seq_len=20 is too short: num_needles=3 .* need 27"),
         (lambda: niah(vocab_size=9, seq_len=200, num_needles=5), r"NIAHConfig.num_needles=5 exceeds the 4 distinct"),

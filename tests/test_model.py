@@ -67,6 +67,7 @@ def test_modes_change_the_output_of_a_multi_mixer_model_only():
         (dict(kv_channels=15), r"kv_channels=15 must be even"),
         (dict(tensor_model_parallel_size=3), r"num_attention_heads \(4\) must be a multiple of tensor_model_parallel_size \(3\)"),
         (dict(transformer_impl="apex"), r"transformer_impl='apex'"),
+        (dict(mixers="gdn", shared_query=True), r"shared_query=True needs two mixers .*mixers='gdn'"),
     ],
 )
 def test_invalid_config_names_the_field(fields, message):

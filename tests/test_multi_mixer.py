@@ -124,3 +124,34 @@ def test_float32_forward_matches_float64(family):
     out32 = run_parallel(mixer32, x.float(), modes)
     assert out32.dtype == torch.float32
     assert (out32.double() - run_parallel(mixer64, x, modes)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_query_parallel_forward_equals_decode(family):
+    mixer = build_mixer(family, shared_query=True)
+    assert "q_attn" not in mixer.streams and "conv_q_attn" not in mixer.head_params
+    x, modes = hidden_states(10), random_modes(11, chunk=4)
+    assert (run_decode(mixer, x, modes, prefill=13) - run_parallel(mixer, x, modes)).abs().max() < 1e-9
+
+
+def test_shared_query_attention_reads_with_the_linear_query():
+    """A separate-query mixer whose attention query equals its convolved linear query (conv
+    on, same weights) computes what the shared-query mixer computes."""
+    shared = build_mixer("oryx_tg", shared_query=True)
+    separate = build_mixer("oryx_tg", seed=1, attention_query_conv=True)
+    with torch.no_grad():
+        heads = shared.num_heads
+        src = shared.linear_in.weight.view(heads, -1, HIDDEN).split(list(shared.streams.values()), dim=1)
+        src = dict(zip(shared.streams, src))
+        src["q_attn"] = src["q_lin"]
+        dst = separate.linear_in.weight.view(heads, -1, HIDDEN)
+        dst.copy_(torch.cat([src[name] for name in separate.streams], dim=1))
+        for name in separate.head_params:
+            source = "conv_q_lin" if name == "conv_q_attn" else name
+            getattr(separate, name).copy_(getattr(shared, source))
+        separate.linear_out.weight.copy_(shared.linear_out.weight)
+    x, modes = hidden_states(12), random_modes(13, chunk=4)
+    assert (run_parallel(separate, x, modes) - run_parallel(shared, x, modes)).abs().max() < 1e-12
+    counts = shared.parameter_counts()
+    # linear-only: the beta and alpha rows of W_in, A_log and dt_bias; the query is shared now
+    assert counts["attention"] == 0 and counts["linear"] == shared.num_heads * (2 * HIDDEN + 2)

@@ -6,6 +6,7 @@ resume sees the same samples. ``loss_mask`` is 1 on the answer positions only (t
 convention); ``modes`` come from the mode schedule like every loader's.
 """
 
+import dataclasses
 from typing import Dict, Optional
 
 import numpy as np
@@ -22,20 +23,19 @@ class MQARLoader(RankBatches):
     """Endless micro-batches of MQAR samples for data-parallel rank ``dp_rank`` of ``dp_size``."""
 
     def __init__(self, *, seq_len: int, micro_batch_size: int, vocab_size: int, num_pairs: int,
-                 num_queries: Optional[int] = None, seed: int = 1234, dp_rank: int = 0, dp_size: int = 1,
-                 mode_schedule=None, split: str = "train"):
+                 num_queries: Optional[int] = None, filler_id: Optional[int] = None, seed: int = 1234,
+                 dp_rank: int = 0, dp_size: int = 1, mode_schedule=None, split: str = "train"):
         super().__init__(seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, dp_rank=dp_rank,
                          dp_size=dp_size, mode_schedule=mode_schedule)
         if split not in SPLIT_TAGS:
             raise ValueError(f"split must be one of {tuple(SPLIT_TAGS)}, got {split!r}")
         self.split, self.vocab_size = split, vocab_size
-        self.task = MQARConfig(vocab_size, seq_len, num_pairs, num_queries)  # validates the arguments once
+        self.task = MQARConfig(vocab_size, seq_len, num_pairs, num_queries, filler_id=filler_id)  # validates once
 
     def sample(self, index: int) -> Dict[str, np.ndarray]:
         """The MQAR sample (``generate_mqar``'s dict, n = 1) of global index ``index``."""
         seed = int(np.random.SeedSequence([self.seed, SPLIT_TAGS[self.split], index]).generate_state(1)[0])
-        cfg = MQARConfig(self.vocab_size, self.seq_len, self.task.num_pairs, self.task.num_queries, seed=seed)
-        return generate_mqar(cfg, 1)
+        return generate_mqar(dataclasses.replace(self.task, seed=seed), 1)
 
     def __next__(self) -> Dict[str, torch.Tensor]:
         samples = [self.sample(i) for i in self.sample_indices()]
@@ -50,7 +50,8 @@ class MQARLoader(RankBatches):
 
     def _identity(self) -> dict:
         return {"seq_len": self.seq_len, "seed": self.seed, "split": self.split, "vocab_size": self.vocab_size,
-                "num_pairs": self.task.num_pairs, "num_queries": self.task.num_queries}
+                "num_pairs": self.task.num_pairs, "num_queries": self.task.num_queries,
+                "filler_id": self.task.filler_id}
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, **self._identity()}

@@ -22,9 +22,12 @@ from oryx_megatron.training.builders import build_loader
 from oryx_megatron.training.config import TrainConfig
 
 
-def dataset_vocab(run: TrainConfig) -> Tuple[int, int]:
+def dataset_vocab(run: TrainConfig) -> Tuple[int, Optional[int]]:
     """(tokenizer vocab size, EOD id) of the checkpoint's dataset: its manifest for shards;
-    model.vocab_size and data.eod_id for indexed data (no manifest)."""
+    model.vocab_size and data.eod_id for indexed data (no manifest); the id range and no EOD
+    (None) for synthetic MQAR."""
+    if run.data.format == "mqar":
+        return run.data.mqar_vocab_size or run.model.vocab_size, None
     if run.data.format == "indexed":
         return run.model.vocab_size, run.data.eod_id
     manifest = Manifest.read(parse_blend(run.data.data_path)[0][0])

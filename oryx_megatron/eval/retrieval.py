@@ -56,15 +56,20 @@ def heldout_haystack(run: TrainConfig, tokens: int, eod_id: int) -> np.ndarray:
 
 
 def build_task(task: str, run: TrainConfig, num_samples: int, seq_len: int, seed: int, haystack: str,
-               num_pairs: int, num_needles: int, key_len: int, value_len: int):
-    """(samples, mixed schedule, haystack source) of ``task`` for the checkpoint's vocab."""
-    vocab_size, eod_id = dataset_vocab(run)
-    ids = id_range(vocab_size, eod_id)
-    if task == "mqar":
-        cfg = mqar.MQARConfig(vocab_size, seq_len, num_pairs, seed=seed, id_range=ids)
-        return mqar.generate_mqar(cfg, num_samples), mqar.mixed_mode_schedule(cfg), None
-    if task != "niah":
+               num_pairs: int, num_queries: Optional[int], num_needles: int, key_len: int, value_len: int):
+    """(samples, mixed schedule, haystack source) of ``task`` for the checkpoint's vocab (an
+    MQAR-trained checkpoint: its training distribution)."""
+    if task not in TASKS:
         raise ValueError(f"unknown retrieval task {task!r}; choose one of {', '.join(TASKS)}")
+    vocab_size, eod_id = dataset_vocab(run)
+    if eod_id is None and task == "niah":
+        raise ValueError("niah needs a tokenized dataset (its EOD id marks the needle); this checkpoint "
+                         f"trained on data.format={run.data.format}")
+    ids = (0, vocab_size) if eod_id is None else id_range(vocab_size, eod_id)
+    if task == "mqar":
+        filler = run.data.mqar_filler_id if run.data.format == "mqar" else None  # the training filler
+        cfg = mqar.MQARConfig(vocab_size, seq_len, num_pairs, num_queries, seed=seed, id_range=ids, filler_id=filler)
+        return mqar.generate_mqar(cfg, num_samples), mqar.mixed_mode_schedule(cfg), None
     cfg = niah.NIAHConfig(vocab_size, seq_len, num_needles, key_len, value_len, marker_id=eod_id, id_range=ids,
                           seed=seed)
     stream, source = None, "random"
@@ -78,13 +83,17 @@ def build_task(task: str, run: TrainConfig, num_samples: int, seq_len: int, seed
 
 
 def evaluate_retrieval(model, run: TrainConfig, task: str, num_samples: int = 64, seq_len: Optional[int] = None,
-                       batch_size: int = 8, seed: int = 0, haystack: str = "heldout", num_pairs: int = 8,
-                       num_needles: int = 1, key_len: int = 2, value_len: int = 4) -> dict:
+                       batch_size: int = 8, seed: int = 0, haystack: str = "heldout",
+                       num_pairs: Optional[int] = None, num_queries: Optional[int] = None, num_needles: int = 1,
+                       key_len: int = 2, value_len: int = 4) -> dict:
     """Accuracy of ``task`` ("mqar" or "niah") under all-attention, all-linear and mixed mode
-    (one row each); ``seq_len`` defaults to the checkpoint's data.seq_length."""
+    (one row each); ``seq_len``, ``num_pairs`` and ``num_queries`` default to the checkpoint's
+    data.seq_length, data.mqar_num_pairs and data.mqar_num_queries."""
     seq_len = seq_len or run.data.seq_length
-    sample, mixed, source = build_task(task, run, num_samples, seq_len, seed, haystack, num_pairs, num_needles,
-                                       key_len, value_len)
+    num_pairs = num_pairs or run.data.mqar_num_pairs
+    num_queries = num_queries or run.data.mqar_num_queries
+    sample, mixed, source = build_task(task, run, num_samples, seq_len, seed, haystack, num_pairs, num_queries,
+                                       num_needles, key_len, value_len)
     vocab_size = dataset_vocab(run)[0]
     schedules = {"all_attention": all_attention(), "all_linear": all_linear(), "mixed": mixed}
     rows = [dict(schedule=name, **answer_accuracy(model, sample, schedule, vocab_size, batch_size))
@@ -92,7 +101,7 @@ def evaluate_retrieval(model, run: TrainConfig, task: str, num_samples: int = 64
     result = dict(task=task, num_samples=num_samples, seq_len=seq_len, seed=seed,
                   mixed_schedule=f"linear_then_attention(n_last={mixed.n_last})", rows=rows)
     if task == "mqar":
-        result["num_pairs"] = num_pairs
+        result.update(num_pairs=num_pairs, num_queries=num_queries or num_pairs)
     else:
         result.update(num_needles=num_needles, key_len=key_len, value_len=value_len, haystack=source)
     return result

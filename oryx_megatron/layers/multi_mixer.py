@@ -10,6 +10,9 @@ Per token t and head h (design card, section 2):
     mamba2     S_t = exp(A dt_t) S_{t-1} + dt_t k_t v_t^T,                 o_t = S_t^T q_t + D v_t
     output     out_t = W_O( RMSNorm_per_head(o_t of the token's mode) * silu(g_t) )
 
+With ``shared_query`` (ablation A1) attention reads with the linear query q_t instead of
+W_QA x_t, so the two mixers share their query as they share the key.
+
 Both memories (KV cache and recurrent state) absorb every token whatever its mode;
 ``modes`` [b, s] only chooses which one each token reads.
 
@@ -89,7 +92,7 @@ class MultiMixer(MegatronModule):
 
         # Per-head widths of the fused input projection, in layout order.
         self.streams = {"k": self.d_k, "v": self.d_v, "g": self.d_v}
-        if self.has_attention:
+        if self.has_attention and not config.shared_query:
             self.streams["q_attn"] = self.d_k
         if self.linear_mixer == "gdn":
             self.streams.update(q_lin=self.d_k, beta=1, alpha=1)
@@ -100,6 +103,7 @@ class MultiMixer(MegatronModule):
             for name in ("q_lin", "q_attn")
             if name in self.streams and (name == "q_lin" or config.attention_query_conv)
         ]
+        self.attention_query = "q_lin" if config.shared_query else "q_attn"  # stream attention reads with
 
         heads = config.num_attention_heads
         self.linear_in = build_module(
@@ -195,7 +199,7 @@ class MultiMixer(MegatronModule):
 
         outputs = {}
         if self.has_attention:
-            outputs[Mode.ATTENTION] = self._attend(x["q_attn"], x["k"], x["v"], cache)
+            outputs[Mode.ATTENTION] = self._attend(x[self.attention_query], x["k"], x["v"], cache)
         if self.linear_mixer is not None:
             q, k, v = self._linear_qk(x["q_lin"], x["k"]) + (x["v"],)
             decay, rate = self._decay_and_rate(x)  # [b, s, h] each, fp32
@@ -234,7 +238,7 @@ class MultiMixer(MegatronModule):
 
         outputs = {}
         if self.has_attention:
-            o = self._attend(x["q_attn"][:, None], x["k"][:, None], x["v"][:, None], cache)
+            o = self._attend(x[self.attention_query][:, None], x["k"][:, None], x["v"][:, None], cache)
             outputs[Mode.ATTENTION] = o[:, 0]
         if self.linear_mixer is not None:
             q, k = self._linear_qk(x["q_lin"], x["k"])
@@ -333,9 +337,10 @@ class MultiMixer(MegatronModule):
         rows = {name: self.num_heads * width for name, width in self.streams.items()}
         own = {name: getattr(self, name).numel() for name in self.head_params}
         specific = {"attention": rows.get("q_attn", 0) * hidden, "linear": 0}
-        for name in ("q_lin", "beta", "alpha", "dt"):
+        linear_query = () if self.config.shared_query else ("q_lin",)  # a shared query is shared
+        for name in linear_query + ("beta", "alpha", "dt"):
             specific["linear"] += rows.get(name, 0) * hidden
-        for name in ("conv_q_lin", "A_log", "dt_bias", "D"):
+        for name in tuple(f"conv_{q}" for q in linear_query) + ("A_log", "dt_bias", "D"):
             specific["linear"] += own.get(name, 0)
         specific["attention"] += own.get("conv_q_attn", 0)
         total = sum(p.numel() for p in self.parameters())

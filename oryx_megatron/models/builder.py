@@ -47,6 +47,7 @@ class ModelArgs:
     share_embeddings_and_output_weights: bool = True
     mixer_conv_kernel: int = 4
     attention_query_conv: bool = False
+    shared_query: bool = False  # one query for both mixers (ablation A1)
     linear_chunk_size: int = 64
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
@@ -79,7 +80,7 @@ def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
     if args.family == "transformer":
         return TransformerConfig(**common)
     oryx_fields = {"value_head_dim", "mixer_conv_kernel", "attention_query_conv",
-                   "linear_chunk_size", "transformer_impl", "kernel_backend"}
+                   "shared_query", "linear_chunk_size", "transformer_impl", "kernel_backend"}
     extra = {f.name: getattr(args, f.name) for f in fields(args) if f.name in oryx_fields}
     return OryxConfig(mixers=FAMILY_MIXERS[args.family], **common, **extra)
 

@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     retrieval.add_argument("--num-samples", type=int, default=64)
     retrieval.add_argument("--seq-len", type=int, help="sample length (default the checkpoint's data.seq_length)")
     retrieval.add_argument("--seed", type=int, default=0)
-    retrieval.add_argument("--num-pairs", type=int, default=8, help="mqar: key-value pairs (all queried)")
+    retrieval.add_argument("--num-pairs", type=int, help="mqar: key-value pairs (default the checkpoint's "
+                                                          "data.mqar_num_pairs, 8)")
+    retrieval.add_argument("--num-queries", type=int, help="mqar: pairs asked (default all, or the "
+                                                            "checkpoint's data.mqar_num_queries)")
     retrieval.add_argument("--num-needles", type=int, default=1, help="niah: needles (> 1: multi-key)")
     retrieval.add_argument("--key-len", type=int, default=2, help="niah: tokens per key")
     retrieval.add_argument("--value-len", type=int, default=4, help="niah: tokens per value (the answer)")
@@ -69,7 +72,8 @@ def run_task(model, run, args: argparse.Namespace, out: Path) -> dict:
         return evaluate_mode_switch(model, run, out, args.switch_at, args.num_batches, args.batch_size, args.smooth,
                                     args.tolerance)
     return evaluate_retrieval(model, run, args.task, args.num_samples, args.seq_len, args.batch_size, args.seed,
-                              args.haystack, args.num_pairs, args.num_needles, args.key_len, args.value_len)
+                              args.haystack, args.num_pairs, args.num_queries, args.num_needles, args.key_len,
+                              args.value_len)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -27,8 +27,10 @@ class DataConfig:
     mode_schedule: Dict[str, Any] = field(
         default_factory=lambda: {"name": "random_chunks", "chunk_size": 128, "p_attention": 0.5}
     )
-    mqar_num_pairs: int = 8  # mqar: key-value pairs (and queries) per sample
+    mqar_num_pairs: int = 8  # mqar: key-value pairs per sample
+    mqar_num_queries: Optional[int] = None  # mqar: queries (answers) per sample; None: mqar_num_pairs
     mqar_vocab_size: Optional[int] = None  # mqar: ids drawn from [0, this); None: model.vocab_size
+    mqar_filler_id: Optional[int] = None  # mqar: the token between context and queries (not a key id); None: noise
 
 
 @dataclass
@@ -172,10 +174,8 @@ def _check_values(run: TrainConfig) -> None:
             f"[2, model.vocab_size={run.model.vocab_size}]"
         )
     if run.data.format == "mqar":
-        from oryx_megatron.eval.tasks.mqar import MQARConfig
-
         try:
-            MQARConfig(run.data.mqar_vocab_size or run.model.vocab_size, run.data.seq_length, run.data.mqar_num_pairs)
+            mqar_task(run)
         except ValueError as e:
             raise ConfigError(f"config keys 'data.mqar_*' / 'data.seq_length': {e}") from None
     if run.data.seq_length > run.model.max_sequence_length:
@@ -191,3 +191,13 @@ def train_iters(run: TrainConfig) -> int:
     if t.train_iters is not None:
         return t.train_iters
     return max(1, t.train_tokens // (t.global_batch_size * run.data.seq_length))
+
+
+def mqar_task(run: TrainConfig, seed: int = 0):
+    """The MQARConfig of a ``data.format=mqar`` run: ids from [0, data.mqar_vocab_size or
+    model.vocab_size); raises ValueError on sizes that do not fit."""
+    from oryx_megatron.eval.tasks.mqar import MQARConfig
+
+    d = run.data
+    return MQARConfig(d.mqar_vocab_size or run.model.vocab_size, d.seq_length, d.mqar_num_pairs, d.mqar_num_queries,
+                      seed=seed, filler_id=d.mqar_filler_id)

@@ -118,3 +118,32 @@ def test_mqar_config_needs_no_data_path_and_checks_the_task_sizes():
         load("data=mqar", "data.mqar_vocab_size=1")
     with pytest.raises(ConfigError, match="data_path"):
         load("data.data_path=[]")
+    with pytest.raises(ConfigError, match=r"data.mqar_\*.*filler_id=3 is a key id"):
+        load("data=mqar", "data.mqar_vocab_size=64", "data.mqar_filler_id=3")
+    with pytest.raises(ConfigError, match=r"num_queries=9 exceeds num_pairs=8"):
+        load("data=mqar", "data.mqar_num_queries=9")
+
+
+def test_queries_and_filler():
+    loader = _loader(num_pairs=6, num_queries=2, filler_id=63)
+    batch = next(loader)
+    assert batch["loss_mask"].sum(1).tolist() == [2.0] * 3  # one answer per query
+    filler = batch["tokens"][:, 2 * 6 : 48 - 2 * 2 + 1]  # between the pairs and the first query key
+    assert (filler == 63).all()
+    with pytest.raises(ValueError, match="loader state has filler_id=None, this loader has filler_id=63"):
+        loader.load_state_dict(_loader(num_pairs=6, num_queries=2).state_dict())
+
+
+def test_retrieval_eval_of_an_mqar_run_samples_its_training_distribution():
+    from oryx_megatron.eval.retrieval import build_task
+
+    with initialize_config_dir(str(RECIPES_DIR), version_base=None):
+        run = load_train_config(compose("train", overrides=[
+            "checkpoint.dir=/tmp/unused", "data=mqar", "data.seq_length=48", "data.mqar_vocab_size=64",
+            "data.mqar_num_pairs=6", "data.mqar_num_queries=2", "data.mqar_filler_id=63"]))
+    d = run.data
+    sample, mixed, _ = build_task("mqar", run, 3, 48, 0, "random", d.mqar_num_pairs, d.mqar_num_queries, 1, 2, 4)
+    assert sample["answer_mask"].sum(1).tolist() == [2] * 3 and mixed.n_last == 3
+    assert (sample["inputs"][:, 12:45] == 63).all() and sample["inputs"].max() < 64
+    with pytest.raises(ValueError, match="niah needs a tokenized dataset .*data.format=mqar"):
+        build_task("niah", run, 3, 48, 0, "random", 6, 2, 1, 2, 4)

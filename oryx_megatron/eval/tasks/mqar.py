@@ -57,6 +57,9 @@ class MQARConfig:
             check_int(self.filler_id, 0, "MQARConfig.filler_id")
             if self.filler_id >= self.vocab_size:
                 raise ValueError(f"MQARConfig.filler_id={self.filler_id} must be < vocab_size={self.vocab_size}")
+            if key_low <= self.filler_id < key_high:
+                raise ValueError(f"MQARConfig.filler_id={self.filler_id} is a key id (keys are [{key_low}, {key_high})): "
+                                 "a query could find the filler instead of its pair")
 
     @property
     def key_value_ranges(self) -> Tuple[Tuple[int, int], Tuple[int, int]]:

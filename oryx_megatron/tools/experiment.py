@@ -1,0 +1,335 @@
+"""oryx-experiment: train, evaluate and tabulate one experiment of recipes/experiment/.
+
+    oryx-experiment e1_retrieval                      # the documented size (docs/results.md)
+    oryx-experiment e2_lm --seeds 1 2 3 train.train_iters=600
+    oryx-experiment a2_sequence_mixing --smoke        # seconds: the configuration `make test` runs
+
+An experiment lists model recipes, variants (extra oryx-train overrides), seeds, the
+oryx-train overrides every run shares and one evaluation (an oryx-eval task). Every run
+trains in this process into <out>/runs/<model>-s<seed>-<hash of its config>/ and is
+reused while its config is unchanged: experiments that share runs (E3 evaluates E2's) train
+them once, and a rerun after a crash only trains what is missing. Results go to
+<out>/<experiment>/: results.json (every run's rows and the means over seeds), results.md
+(the table) and a PNG (bars of the first metric, or the mode-switch curves).
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from oryx_megatron import RECIPES_DIR
+from oryx_megatron.eval import mode_switch
+from oryx_megatron.eval.ppl import evaluate_ppl
+from oryx_megatron.eval.retrieval import evaluate_retrieval
+from oryx_megatron.inference.checkpoint import load_model
+from oryx_megatron.training.checkpointing import latest_checkpoint
+from oryx_megatron.training.config import TrainConfig, load_train_config, train_iters
+
+logger = logging.getLogger("oryx_megatron.experiment")
+
+EXPERIMENTS_DIR = RECIPES_DIR / "experiment"
+EVALS = {  # task -> the function its `eval` arguments go to (after model, run[, out])
+    "ppl": evaluate_ppl,
+    "mode_switch": mode_switch.evaluate_mode_switch,
+    "mqar": evaluate_retrieval,
+}
+ROW_LABELS = ("schedule", "switch")  # the column that names a row of an eval result
+
+
+@dataclass
+class Experiment:
+    """Schema of recipes/experiment/<name>.yaml."""
+
+    name: str
+    claim: str  # the paper's claim under test, one line
+    models: List[str]  # recipes/model/<name>
+    seeds: List[int]
+    eval: Dict[str, Any]  # task: one of EVALS; the rest: arguments of its function
+    metrics: List[str]  # result columns tabulated (mean and std over seeds); the first is plotted
+    groups: Dict[str, str] = field(default_factory=dict)  # oryx-train config-group choices, e.g. data: mqar
+    train: Dict[str, Any] = field(default_factory=dict)  # oryx-train config (nested), shared by every run
+    variants: Optional[Dict[str, Any]] = None  # name -> more oryx-train config; None: one variant, "base"
+    smoke: Dict[str, Any] = field(default_factory=dict)  # {train: ..., eval: ...} merged in by --smoke
+
+
+def load_experiment(name: str, smoke: bool = False, seeds: Optional[List[int]] = None) -> Experiment:
+    """The experiment's config (Hydra-composed: an experiment may extend another through its
+    defaults list), checked against the schema; ``smoke`` merges its smoke section."""
+    if not (EXPERIMENTS_DIR / f"{name}.yaml").exists():
+        known = ", ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")))
+        raise ValueError(f"unknown experiment {name!r}; recipes/experiment/ has {known}")
+    with initialize_config_dir(str(EXPERIMENTS_DIR), version_base=None):
+        cfg = compose(name)
+    try:
+        exp: Experiment = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Experiment), cfg))
+    except OmegaConfBaseException as e:
+        raise ValueError(f"recipes/experiment/{name}.yaml: {e.msg}") from None
+    exp.variants = exp.variants or {"base": {}}
+    if smoke:
+        exp.train = OmegaConf.to_container(OmegaConf.merge(exp.train, exp.smoke.get("train", {})))
+        exp.eval = {**exp.eval, **exp.smoke.get("eval", {})}
+    if seeds:
+        exp.seeds = seeds
+    task = exp.eval.get("task")
+    if task not in EVALS:
+        raise ValueError(f"recipes/experiment/{name}.yaml: eval.task={task!r}; expected one of {sorted(EVALS)}")
+    allowed = set(inspect.signature(EVALS[task]).parameters) - {"model", "run", "out", "task"}  # set by evaluate
+    unknown = set(eval_arguments(exp)) - allowed
+    if unknown:
+        raise ValueError(f"recipes/experiment/{name}.yaml: eval.{sorted(unknown)[0]} is not an argument of {task}")
+    return exp
+
+
+def eval_arguments(exp: Experiment) -> Dict[str, Any]:
+    return {k: v for k, v in exp.eval.items() if k != "task"}
+
+
+def overrides(tree: Dict[str, Any], prefix: str = "") -> List[str]:
+    """A nested oryx-train config as Hydra overrides: {data: {seq_length: 64}} -> data.seq_length=64."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += overrides(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={json.dumps(value) if value is not None else 'null'}")
+    return out
+
+
+def run_overrides(exp: Experiment) -> List[str]:
+    """The oryx-train overrides every run of ``exp`` shares: group choices, then fields."""
+    return [f"{group}={choice}" for group, choice in exp.groups.items()] + overrides(exp.train)
+
+
+def compose_run(model: str, seed: int, config: List[str]) -> TrainConfig:
+    """The oryx-train config of one run (checkpoint.dir is set by the caller)."""
+    with initialize_config_dir(str(RECIPES_DIR), version_base=None):
+        cfg = compose("train", overrides=[f"model={model}", f"train.seed={seed}", "checkpoint.dir=null", *config])
+    return load_train_config(cfg)
+
+
+# Fields that do not shape the trained weights: runs differing only there are the same run.
+NOT_IN_RUN_KEY = {"train": ("log_interval", "eval_interval", "eval_iters", "eval_schedules", "exit_interval")}
+
+
+def run_key(run: TrainConfig) -> str:
+    """A hash of the model, data, optimizer, parallel and training settings that shape the
+    trained weights (not where or how often they are logged, evaluated or saved)."""
+    identity = OmegaConf.to_container(OmegaConf.structured(run))
+    for section in ("checkpoint", "logging"):
+        identity.pop(section)
+    for section, keys in NOT_IN_RUN_KEY.items():
+        for key in keys:
+            identity[section].pop(key)
+    return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def train_or_reuse(run: TrainConfig, run_dir: Path) -> Path:
+    """Train ``run`` into ``run_dir`` unless a checkpoint at its last iteration is there;
+    an unfinished run resumes from its latest checkpoint. Returns the checkpoint."""
+    from oryx_megatron.train import pretrain  # imports megatron's training stack
+
+    ckpt_dir = run_dir / "checkpoints"
+    latest = latest_checkpoint(str(ckpt_dir))
+    if latest is not None and latest.name == f"iter_{train_iters(run):07d}":
+        logger.info("reusing %s", latest)
+        return latest
+    run = dataclasses.replace(run, checkpoint=dataclasses.replace(run.checkpoint, dir=str(ckpt_dir), save_at_end=True))
+    exit_code = pretrain(run, str(run_dir))
+    if exit_code:
+        raise RuntimeError(f"training {run_dir} stopped early (exit code {exit_code}); rerun the experiment to resume")
+    return latest_checkpoint(str(ckpt_dir))
+
+
+def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
+    """Train (or reuse) and evaluate every (variant, model, seed); write the results."""
+    exp_dir = out / exp.name
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    plan = [(variant, model, seed) for variant in exp.variants for model in exp.models for seed in exp.seeds]
+    rows, started = [], time.perf_counter()
+    for i, (variant, model, seed) in enumerate(plan, 1):
+        config = run_overrides(exp) + overrides(exp.variants[variant] or {}) + extra
+        run = compose_run(model, seed, config)
+        name = f"{model}-s{seed}-{run_key(run)}"  # no variant: equal configs share one run
+        logger.info("[%d/%d] %s", i, len(plan), name)
+        checkpoint = train_or_reuse(run, out / "runs" / name)
+        net, run = load_model(str(checkpoint))
+        eval_dir = exp_dir / "evals" / name
+        eval_dir.mkdir(parents=True, exist_ok=True)
+        result = evaluate(exp, net, run, eval_dir)
+        params = sum(p.numel() for p in net.parameters())
+        rows += [dict(variant=variant, model=model, seed=seed, run=name, params=params, **row) for row in result["rows"]]
+    summary = summarize(rows, exp.metrics)
+    results = dict(experiment=exp.name, claim=exp.claim, seeds=exp.seeds, train=run_overrides(exp) + extra,
+                   variants={k: overrides(v or {}) for k, v in exp.variants.items()}, eval=exp.eval,
+                   wall_time_s=round(time.perf_counter() - started, 1), summary=summary, rows=rows)
+    (exp_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (exp_dir / "results.md").write_text(f"# {exp.name}\n\n{exp.claim}\n\n## {exp.metrics[0]}\n\n"
+                                        f"{pivot_table(summary, exp.metrics[0])}\n\n## All metrics\n\n"
+                                        f"{markdown_table(summary, exp.metrics)}\n")
+    plot = plot_curves(exp, rows, exp_dir) if exp.eval["task"] == "mode_switch" else plot_bars(exp, summary, exp_dir)
+    logger.info("wrote %s, results.md and %s (%.0f s)", exp_dir / "results.json", plot.name, results["wall_time_s"])
+    return results
+
+
+def evaluate(exp: Experiment, model, run: TrainConfig, out: Path) -> dict:
+    """The experiment's eval task on one trained model; mode_switch writes its CSV to ``out``."""
+    task, kwargs = exp.eval["task"], eval_arguments(exp)
+    if task == "mode_switch":
+        kwargs["out"] = out
+    if task == "mqar":
+        kwargs["task"] = task
+    return EVALS[task](model, run, **kwargs)
+
+
+def row_label(row: dict) -> str:
+    return next(row[key] for key in ROW_LABELS if key in row)
+
+
+def summarize(rows: List[dict], metrics: List[str]) -> List[dict]:
+    """One row per (variant, model, row label): mean and std over seeds of each metric
+    (None where a seed has none, e.g. a switch that never converged)."""
+    groups: Dict[tuple, List[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["variant"], row["model"], row_label(row)), []).append(row)
+    summary = []
+    for (variant, model, label), members in groups.items():
+        entry = dict(variant=variant, model=model, label=label, params=members[0]["params"], seeds=len(members))
+        for metric in metrics:
+            values = [m.get(metric) for m in members]
+            missing = None in values
+            entry[metric] = None if missing else float(np.mean(values))
+            entry[f"{metric}_std"] = None if missing else float(np.std(values))
+            entry[f"{metric}_per_seed"] = values
+        summary.append(entry)
+    return summary
+
+
+def cell(row: dict, metric: str) -> str:
+    """'mean ± std' of a summary row's metric; 'n/a (per-seed values)' where a seed has none."""
+    mean, std = row[metric], row[f"{metric}_std"]
+    if mean is None:
+        return "n/a (" + ", ".join("-" if v is None else f"{v:.4g}" for v in row[f"{metric}_per_seed"]) + ")"
+    return f"{mean:.4f}" + (f" ± {std:.4f}" if row["seeds"] > 1 else "")
+
+
+def markdown_table(summary: List[dict], metrics: List[str]) -> str:
+    """The summary as a Markdown table: a row per (variant, model, row label), mean ± std over seeds."""
+    header = ["variant", "model", "row", "params", "seeds", *metrics]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in summary:
+        cells = [row["variant"], row["model"], row["label"], f"{row['params']:,}", str(row["seeds"])]
+        lines.append("| " + " | ".join(cells + [cell(row, m) for m in metrics]) + " |")
+    return "\n".join(lines)
+
+
+def pivot_table(summary: List[dict], metric: str) -> str:
+    """``metric`` (mean ± std) as a Markdown table: a row per (variant, model), a column per row label."""
+    labels = list(dict.fromkeys(r["label"] for r in summary))
+    by_key = {(r["variant"], r["model"], r["label"]): r for r in summary}
+    header = ["variant", "model", *labels]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for variant, model in dict.fromkeys((r["variant"], r["model"]) for r in summary):
+        cells = [cell(by_key[variant, model, label], metric) if (variant, model, label) in by_key else ""
+                 for label in labels]
+        lines.append("| " + " | ".join([variant, model, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def plot_bars(exp: Experiment, summary: List[dict], exp_dir: Path) -> Path:
+    """Grouped bars of the first metric: one group per (variant, model), one bar per row label."""
+    from matplotlib.figure import Figure
+
+    metric = exp.metrics[0]
+    groups = list(dict.fromkeys((r["variant"], r["model"]) for r in summary))
+    labels = list(dict.fromkeys(r["label"] for r in summary))
+    by_key = {(r["variant"], r["model"], r["label"]): r for r in summary}
+    fig = Figure(figsize=(max(6.0, 1.4 * len(groups)), 4.5))
+    ax = fig.subplots()
+    width = 0.8 / len(labels)
+    spans = []  # (mean - std, mean + std) of every bar
+    for j, label in enumerate(labels):
+        rows = [by_key.get((*g, label)) for g in groups]
+        means = np.array([np.nan if r is None or r[metric] is None else r[metric] for r in rows])
+        stds = np.array([0.0 if r is None or r[f"{metric}_std"] is None else r[f"{metric}_std"] for r in rows])
+        ax.bar(np.arange(len(groups)) + (j - (len(labels) - 1) / 2) * width, means, width, yerr=stds, capsize=2,
+               label=label)
+        spans += [means - stds, means + stds]
+    low, high = np.nanmin(spans[0::2]), np.nanmax(spans[1::2])
+    if low > 0.5 * high:  # e.g. losses: zoom in on the differences
+        ax.set_ylim(low - 0.2 * (high - low), high + 0.2 * (high - low))
+    names = [model if len(exp.variants) == 1 else f"{model}\n{variant}" for variant, model in groups]
+    ax.set_xticks(np.arange(len(groups)), names, fontsize=8)
+    ax.set(ylabel=f"{metric} (mean ± std over {len(exp.seeds)} seeds)", title=f"{exp.name}: {metric}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = exp_dir / f"{metric}.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_curves(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
+    """Per-position loss of the four mode-switch schedules, mean over seeds; a panel per
+    (variant, model)."""
+    from matplotlib.figure import Figure
+
+    runs: Dict[tuple, List[str]] = {}
+    for row in rows:
+        names = runs.setdefault((row["variant"], row["model"]), [])
+        if row["run"] not in names:
+            names.append(row["run"])
+    fig = Figure(figsize=(5.5 * len(runs), 4.2))
+    axes = np.atleast_1d(fig.subplots(1, len(runs), sharey=True))
+    switch_at = exp.eval.get("t")
+    for ax, ((variant, model), names) in zip(axes, runs.items()):
+        tables = [np.genfromtxt(exp_dir / "evals" / n / "mode_switch.csv", delimiter=",", names=True) for n in names]
+        for curve, style in zip(mode_switch.CURVES, ("-", "-", "--", "--")):
+            mean = np.mean([t[f"loss_{curve}"] for t in tables], axis=0)
+            ax.plot(mode_switch.smooth(mean, 0, 8), style, label=curve.replace("_", " "), linewidth=1.2)
+        t = switch_at if switch_at is not None else len(tables[0]) // 2
+        ax.axvline(t, color="gray", linestyle=":")
+        ax.set(title=model if len(exp.variants) == 1 else f"{model} ({variant})", xlabel="position")
+    axes[0].set_ylabel(f"held-out loss, 8-token trailing mean, {len(exp.seeds)} seeds")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = exp_dir / "mode_switch.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="oryx-experiment", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("experiment", help="a name of recipes/experiment/ (e.g. e1_retrieval)")
+    parser.add_argument("overrides", nargs="*", help="oryx-train overrides for every run (key=value)")
+    parser.add_argument("--out", default="runs/experiments", help="output root (default runs/experiments)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="replace the experiment's seeds")
+    parser.add_argument("--smoke", action="store_true", help="the seconds-long configuration (tests)")
+    args = parser.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        parser.error(f"override {bad[0]!r} is not key=value")
+    try:
+        exp = load_experiment(args.experiment, args.smoke, args.seeds)
+    except ValueError as e:
+        parser.error(str(e))
+    results = run_experiment(exp, Path(args.out), args.overrides)
+    print(markdown_table(results["summary"], exp.metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
