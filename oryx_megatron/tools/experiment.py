@@ -104,7 +104,7 @@ def overrides(tree: Dict[str, Any], prefix: str = "") -> List[str]:
         if isinstance(value, dict):
             out += overrides(value, f"{prefix}{key}.")
         else:
-            out.append(f"{prefix}{key}={json.dumps(value) if value is not None else 'null'}")
+            out.append(f"{prefix}{key}={json.dumps(value)}")  # JSON is Hydra's syntax for scalars and lists
     return out
 
 
