@@ -60,13 +60,19 @@ def write_csv(curves: Dict[str, np.ndarray], path: Path) -> None:
             writer.writerow([p] + [f"{curves[name][p]:.6f}" for name in CURVES])
 
 
-def plot(curves: Dict[str, np.ndarray], t: int, path: Path) -> None:
-    fig = Figure(figsize=(8, 4.5))
-    ax = fig.subplots()
+def draw_curves(ax, curves: Dict[str, np.ndarray], t: int) -> None:
+    """The four curves (single modes solid, switches dashed) and the switch position on ``ax``."""
     for name, style in zip(CURVES, ("-", "-", "--", "--")):
         ax.plot(curves[name], style, label=name.replace("_", " "), linewidth=1.2)
     ax.axvline(t, color="gray", linestyle=":", label=f"switch at {t}")
-    ax.set(xlabel="position", ylabel="mean held-out loss (nats)", title="Mode switching")
+    ax.set(xlabel="position")
+
+
+def plot(curves: Dict[str, np.ndarray], t: int, path: Path) -> None:
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
+    draw_curves(ax, curves, t)
+    ax.set(ylabel="mean held-out loss (nats)", title="Mode switching")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

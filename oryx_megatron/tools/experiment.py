@@ -235,13 +235,19 @@ def markdown_table(summary: List[dict], metrics: List[str]) -> str:
     return "\n".join(lines)
 
 
+def grid(summary: List[dict]):
+    """(the (variant, model) groups, the row labels, summary rows by (variant, model, label)), in order."""
+    groups = list(dict.fromkeys((r["variant"], r["model"]) for r in summary))
+    labels = list(dict.fromkeys(r["label"] for r in summary))
+    return groups, labels, {(r["variant"], r["model"], r["label"]): r for r in summary}
+
+
 def pivot_table(summary: List[dict], metric: str) -> str:
     """``metric`` (mean ± std) as a Markdown table: a row per (variant, model), a column per row label."""
-    labels = list(dict.fromkeys(r["label"] for r in summary))
-    by_key = {(r["variant"], r["model"], r["label"]): r for r in summary}
+    groups, labels, by_key = grid(summary)
     header = ["variant", "model", *labels]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for variant, model in dict.fromkeys((r["variant"], r["model"]) for r in summary):
+    for variant, model in groups:
         cells = [cell(by_key[variant, model, label], metric) if (variant, model, label) in by_key else ""
                  for label in labels]
         lines.append("| " + " | ".join([variant, model, *cells]) + " |")
@@ -253,9 +259,7 @@ def plot_bars(exp: Experiment, summary: List[dict], exp_dir: Path) -> Path:
     from matplotlib.figure import Figure
 
     metric = exp.metrics[0]
-    groups = list(dict.fromkeys((r["variant"], r["model"]) for r in summary))
-    labels = list(dict.fromkeys(r["label"] for r in summary))
-    by_key = {(r["variant"], r["model"], r["label"]): r for r in summary}
+    groups, labels, by_key = grid(summary)
     fig = Figure(figsize=(max(6.0, 1.4 * len(groups)), 4.5))
     ax = fig.subplots()
     width = 0.8 / len(labels)
@@ -295,12 +299,10 @@ def plot_curves(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
     switch_at = exp.eval.get("t")
     for ax, ((variant, model), names) in zip(axes, runs.items()):
         tables = [np.genfromtxt(exp_dir / "evals" / n / "mode_switch.csv", delimiter=",", names=True) for n in names]
-        for curve, style in zip(mode_switch.CURVES, ("-", "-", "--", "--")):
-            mean = np.mean([t[f"loss_{curve}"] for t in tables], axis=0)
-            ax.plot(mode_switch.smooth(mean, 0, 8), style, label=curve.replace("_", " "), linewidth=1.2)
-        t = switch_at if switch_at is not None else len(tables[0]) // 2
-        ax.axvline(t, color="gray", linestyle=":")
-        ax.set(title=model if len(exp.variants) == 1 else f"{model} ({variant})", xlabel="position")
+        curves = {c: mode_switch.smooth(np.mean([t[f"loss_{c}"] for t in tables], axis=0), 0, 8)
+                  for c in mode_switch.CURVES}
+        mode_switch.draw_curves(ax, curves, switch_at if switch_at is not None else len(tables[0]) // 2)
+        ax.set(title=model if len(exp.variants) == 1 else f"{model} ({variant})")
     axes[0].set_ylabel(f"held-out loss, 8-token trailing mean, {len(exp.seeds)} seeds")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
