@@ -7,10 +7,19 @@ embedding in the attention path, the head dims d_k (``kv_channels``) and d_v
 """
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Optional, Tuple
 
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
+
+
+class Mode(IntEnum):
+    """Values of the ``modes`` tensor [batch, seq]: the mixer each token reads with (room is left
+    for more mixers)."""
+
+    LINEAR = 0
+    ATTENTION = 1
 
 
 ATTENTION = "attention"

@@ -1,7 +1,12 @@
-"""Process-group and model-parallel set-up shared by the entry points and tests."""
+"""Process-group and model-parallel set-up shared by the entry points and tests.
+
+Set up once per process: ``initialize_parallel`` with the layout already in place only reseeds,
+and a new layout destroys the old groups first (a gloo group holds its threads until destroyed).
+``destroy_parallel`` tears everything down, the default process group included.
+"""
 
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,10 +38,47 @@ def initialize_parallel(
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-    )
+    layout = (tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)
+    if _current_layout() != layout:
+        _destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        )
+    elif virtual_pipeline_model_parallel_size is not None:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)  # a finished run may have left it
     model_parallel_cuda_manual_seed(seed)
+
+
+def current_device() -> torch.device:
+    """This rank's device: its CUDA device (set from LOCAL_RANK), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def destroy_parallel() -> None:
+    """Destroy megatron's parallel state and every process group, the default one included."""
+    _destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _current_layout() -> Optional[Tuple[int, int, Optional[int]]]:
+    """(TP, PP, VP) sizes of the parallel state in place, or None."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+    )
+
+
+def _destroy_model_parallel() -> None:
+    """Megatron's destroy_model_parallel forgets its groups without destroying them: destroy every
+    group but the default one."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)

@@ -4,16 +4,17 @@
     torchrun --nproc-per-node 8 -m oryx_megatron.train recipe=oryx_tg_1_4b parallel.tensor_model_parallel_size=2
     oryx-train -m recipe=oryx_tg_130m optimizer.lr=1e-3,3e-3 hydra/launcher=slurm
 
-The run, top to bottom: parallel state -> model chunks in megatron DDP -> optimizer and
-LR schedule -> data -> resume from `latest` -> loop [train step, log, eval, save,
-preemption] -> final save, eval and loss-curve PNG.
+The run, top to bottom (``Trainer``): parallel state -> model chunks in megatron DDP ->
+optimizer and LR schedule -> data -> resume from `latest` -> loop [train step, log, eval,
+save, preemption] -> final save, eval and loss-curve PNG.
 """
 
 import logging
 import time
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import hydra
 import torch
@@ -25,9 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from oryx_megatron import RECIPES_DIR
 from oryx_megatron.compat.cpu import cuda_to_cpu
-from oryx_megatron.data.modes import Mode, build_mode_schedule
+from oryx_megatron.config import Mode
+from oryx_megatron.data.modes import build_mode_schedule
 from oryx_megatron.launch import REQUEUE_EXIT_CODE, exit_for_requeue
-from oryx_megatron.parallel import initialize_parallel
+from oryx_megatron.parallel import current_device, initialize_parallel
 from oryx_megatron.training import checkpointing
 from oryx_megatron.training.builders import (
     build_loader,
@@ -57,112 +59,157 @@ def pretrain(run: TrainConfig, output_dir: str) -> int:
     p = run.parallel
     initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, run.train.seed,
                         p.virtual_pipeline_model_parallel_size)
-    output_dir, ckpt_dir = _agree_on_paths(output_dir, run.checkpoint.dir)
-    is_logging_rank = dist.get_rank() == dist.get_world_size() - 1  # on the last pipeline stage
-    logger.setLevel(logging.INFO if is_logging_rank else logging.WARNING)
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    run_yaml = OmegaConf.to_yaml(OmegaConf.structured(run))
+    with cuda_to_cpu(), Trainer(run, output_dir) as trainer:  # cuda_to_cpu: megatron hard-codes CUDA (no-op with CUDA)
+        trainer.resume()
+        return trainer.train()
 
-    with cuda_to_cpu():  # megatron's optimizer and DDP hard-code CUDA tensors (no-op with CUDA)
-        config = model_config(run)
-        model = build_model_chunks(run, config)
-        optimizer = build_optimizer(run, model)
-        scheduler = build_scheduler(run, optimizer)
-        loaders = [build_loader(run) for _ in model]  # one per virtual pipeline chunk
-        _check_vocab(run, loaders[0])
 
-        iteration, total_iters = 0, train_iters(run)
-        latest = checkpointing.latest_checkpoint(ckpt_dir) if run.checkpoint.load else None
-        if latest is not None:
-            iteration = checkpointing.load_checkpoint(latest, model, optimizer, scheduler, loaders[0])
-            for loader in loaders[1:]:
-                loader.load_state_dict(loaders[0].state_dict())
-            logger.info("resumed from %s at iteration %d", latest, iteration)
+class Trainer:
+    """One run of oryx-train on this rank, in the order it happens: build (model chunks in
+    megatron DDP, optimizer, LR schedule, loaders, metrics), ``resume`` from the latest
+    checkpoint, ``train``: ``train_step``, log, ``evaluate``, ``save`` until done or preempted.
+    A context manager: leaving it closes the loaders and restores the signal handlers."""
 
-        num_params = sum(p.numel() for chunk in model for p in chunk.parameters())
-        tokens_per_iter = run.train.global_batch_size * run.data.seq_length
-        flops_per_iter = flops_per_token(config, run.data.seq_length, _total_params(num_params),
-                                         run.model.vocab_size, run.model.share_embeddings_and_output_weights)
-        flops_per_iter *= tokens_per_iter
-        metrics = MetricsLogger(is_logging_rank, run.logging, Path(output_dir), OmegaConf.to_container(
-            OmegaConf.structured(run)))
+    def __init__(self, run: TrainConfig, output_dir: str):
+        self.run = run
+        self.output_dir, self.ckpt_dir = _agree_on_paths(output_dir, run.checkpoint.dir)
+        self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1  # on the last pipeline stage
+        logger.setLevel(logging.INFO if self.is_logging_rank else logging.WARNING)
+        logging.getLogger("megatron").setLevel(logging.WARNING)
+        self._resources = ExitStack()
+
+        self.config = model_config(run)
+        self.model = build_model_chunks(run, self.config, current_device())
+        self.optimizer = build_optimizer(run, self.model)
+        self.scheduler = build_scheduler(run, self.optimizer)
+        self.loaders = [self._open(build_loader(run)) for _ in self.model]  # one per virtual pipeline chunk
+        _check_vocab(run, self.loaders[0])
+        self.eval_loaders = {}  # schedule name -> (loaders, their state at the first window): built once, rewound
+        if run.train.eval_interval is not None:
+            for name in run.train.eval_schedules:
+                schedule = build_mode_schedule(name)
+                loaders = [self._open(build_loader(run, split="valid", mode_schedule=schedule)) for _ in self.model]
+                self.eval_loaders[name] = (loaders, loaders[0].state_dict())
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()  # perf/memory_gb: this run's peak, not the process's
+        self.iteration, self.total_iters = 0, train_iters(run)
+        num_params = sum(p.numel() for chunk in self.model for p in chunk.parameters())
+        self.tokens_per_iter = run.train.global_batch_size * run.data.seq_length
+        self.flops_per_iter = self.tokens_per_iter * flops_per_token(
+            self.config, run.data.seq_length, _total_params(num_params), run.model.vocab_size,
+            run.model.share_embeddings_and_output_weights)
+        self.metrics = MetricsLogger(self.is_logging_rank, run.logging, Path(self.output_dir),
+                                     OmegaConf.to_container(OmegaConf.structured(run)))
+        self.run_yaml = OmegaConf.to_yaml(OmegaConf.structured(run))  # saved with every checkpoint
+        self.preemption = PreemptionHandler()
+        self._resources.callback(self.preemption.restore)
         logger.info("%s: %s parameters on this rank, %d iterations of %d tokens", run.model.family,
-                    f"{num_params:,}", total_iters, tokens_per_iter)
-        preemption = PreemptionHandler()
-        save = partial(_save, ckpt_dir, model, optimizer, scheduler, loaders[0], run_yaml)
-        stop_at = min(total_iters, iteration + (run.train.exit_interval or total_iters))
-        first_iteration, exit_code, last_eval = iteration, 0, None
-        interval = Interval()  # steps since the last log line
+                    f"{num_params:,}", self.total_iters, self.tokens_per_iter)
 
-        while iteration < stop_at:
-            loss_sums, grad_norm = train_step(run, model, optimizer, loaders)
-            scheduler.step(increment=1)
-            iteration += 1
-            interval.add(loss_sums, grad_norm)
-            if iteration % run.train.log_interval == 0 or iteration == stop_at:  # means over the interval
-                elapsed, world = interval.seconds_per_step(), dist.get_world_size()
-                report = _loss_metrics(interval.loss_sums, "train")
-                report.update({
-                    "train/grad_norm": interval.mean_grad_norm(),
-                    "train/lr": optimizer.param_groups[0]["lr"],
-                    "perf/tokens_per_s": tokens_per_iter / elapsed,
-                    "perf/tflops": flops_per_iter / elapsed / world / 1e12,
-                    "perf/mfu": flops_per_iter / elapsed / world / (run.logging.peak_tflops * 1e12),
-                    "perf/memory_gb": memory_gb(),
-                })
-                metrics.log(iteration, report)
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._resources.close()
+
+    def _open(self, loader):
+        return self._resources.enter_context(loader)
+
+    def resume(self) -> None:
+        """Continue from the latest checkpoint of checkpoint.dir, if any (and checkpoint.load)."""
+        latest = checkpointing.latest_checkpoint(self.ckpt_dir) if self.run.checkpoint.load else None
+        if latest is None:
+            return
+        self.iteration = checkpointing.load_checkpoint(latest, self.model, self.optimizer, self.scheduler,
+                                                       self.loaders[0])
+        for loader in self.loaders[1:]:
+            loader.load_state_dict(self.loaders[0].state_dict())
+        logger.info("resumed from %s at iteration %d", latest, self.iteration)
+
+    def train(self) -> int:
+        """Step until train_iters (or exit_interval more steps): 0; or until preempted, after a
+        save: REQUEUE_EXIT_CODE."""
+        run = self.run
+        stop_at = min(self.total_iters, self.iteration + (run.train.exit_interval or self.total_iters))
+        first_iteration, exit_code, last_eval = self.iteration, 0, None
+        interval = Interval()  # steps since the last log line
+        while self.iteration < stop_at:
+            interval.add(*self.train_step())
+            if self.iteration % run.train.log_interval == 0 or self.iteration == stop_at:
+                self.log(interval)
                 interval = Interval()
-            if run.train.eval_interval and iteration % run.train.eval_interval == 0:
+            if run.train.eval_interval and self.iteration % run.train.eval_interval == 0:
                 eval_start = time.perf_counter()
-                metrics.log(iteration, evaluate(run, model))
+                self.metrics.log(self.iteration, self.evaluate())
                 interval.start += time.perf_counter() - eval_start  # eval time is not training time
-                last_eval = iteration
-            if run.checkpoint.save_interval and iteration % run.checkpoint.save_interval == 0:
-                save(iteration)
-            if preemption.should_stop():
-                logger.warning("%s received: saving and exiting for requeue", preemption.received or "signal")
+                last_eval = self.iteration
+            if run.checkpoint.save_interval and self.iteration % run.checkpoint.save_interval == 0:
+                self.save()
+            if self.preemption.should_stop():
+                logger.warning("%s received: saving and exiting for requeue", self.preemption.received or "signal")
                 exit_code = REQUEUE_EXIT_CODE
                 break
 
-        saved = run.checkpoint.save_interval and iteration % run.checkpoint.save_interval == 0
-        if iteration > first_iteration and not saved and (exit_code or run.checkpoint.save_at_end):
-            save(iteration)
-        if not exit_code and run.train.eval_interval is not None and last_eval != iteration:
-            metrics.log(iteration, evaluate(run, model))
-        preemption.restore()
-        png = metrics.finish()
-    if is_logging_rank:
-        logger.info("checkpoints: %s | outputs: %s | loss curve: %s", ckpt_dir, output_dir, png)
-    return exit_code
+        saved = run.checkpoint.save_interval and self.iteration % run.checkpoint.save_interval == 0
+        if self.iteration > first_iteration and not saved and (exit_code or run.checkpoint.save_at_end):
+            self.save()
+        if not exit_code and run.train.eval_interval is not None and last_eval != self.iteration:
+            self.metrics.log(self.iteration, self.evaluate())
+        png = self.metrics.finish()
+        if self.is_logging_rank:
+            logger.info("checkpoints: %s | outputs: %s | loss curve: %s", self.ckpt_dir, self.output_dir, png)
+        return exit_code
 
+    def train_step(self) -> Tuple[torch.Tensor, float]:
+        """One optimizer step over the global batch (micro-batched, pipelined) and one LR step;
+        returns the loss sums (see ``_loss_sums``) and the gradient norm."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = _forward_backward(self.run, self.model, self.loaders, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.iteration += 1
+        return _loss_sums(reports), grad_norm
 
-def train_step(run: TrainConfig, model, optimizer, loaders):
-    """One optimizer step over the global batch (micro-batched, pipelined); returns the loss
-    sums (see ``_loss_sums``) and the gradient norm."""
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    reports = _forward_backward(run, model, loaders, forward_only=False)
-    _, grad_norm, _ = optimizer.step()
-    return _loss_sums(reports), grad_norm
+    def log(self, interval: "Interval") -> None:
+        """Means over the steps since the last log line: losses, grad norm, LR, throughput, memory."""
+        elapsed, world = interval.seconds_per_step(), dist.get_world_size()
+        report = _loss_metrics(interval.loss_sums, "train")
+        report.update({
+            "train/grad_norm": interval.mean_grad_norm(),
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "perf/tokens_per_s": self.tokens_per_iter / elapsed,
+            "perf/tflops": self.flops_per_iter / elapsed / world / 1e12,
+            "perf/mfu": self.flops_per_iter / elapsed / world / (self.run.logging.peak_tflops * 1e12),
+            "perf/memory_gb": memory_gb(),
+        })
+        self.metrics.log(self.iteration, report)
 
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        """Held-out loss under each eval schedule: the same windows every time, different modes."""
+        for chunk in self.model:
+            chunk.eval()
+        results = {}
+        for name, (loaders, start) in self.eval_loaders.items():
+            for loader in loaders:
+                loader.load_state_dict(start)
+            reports = []
+            for _ in range(self.run.train.eval_iters):
+                reports += _forward_backward(self.run, self.model, loaders, forward_only=True)
+            results[f"eval/loss_{name}"] = _loss_metrics(_loss_sums(reports), "eval")["eval/loss"]
+        for chunk in self.model:
+            chunk.train()
+        return results
 
-@torch.no_grad()
-def evaluate(run: TrainConfig, model) -> Dict[str, float]:
-    """Held-out loss under each eval schedule (same windows, different modes)."""
-    for chunk in model:
-        chunk.eval()
-    results = {}
-    for name in run.train.eval_schedules:
-        schedule = build_mode_schedule(name)
-        loaders = [build_loader(run, split="valid", mode_schedule=schedule) for _ in model]
-        reports = []
-        for _ in range(run.train.eval_iters):
-            reports += _forward_backward(run, model, loaders, forward_only=True)
-        results[f"eval/loss_{name}"] = _loss_metrics(_loss_sums(reports), "eval")["eval/loss"]
-    for chunk in model:
-        chunk.train()
-    return results
+    def save(self) -> None:
+        """A checkpoint of this iteration under checkpoint.dir (none without a dir)."""
+        if self.ckpt_dir:
+            path = checkpointing.save_checkpoint(self.ckpt_dir, self.iteration, self.model, self.optimizer,
+                                                 self.scheduler, self.loaders[0], self.run_yaml)
+            logger.info("saved %s", path)
 
 
 def _forward_backward(run: TrainConfig, model, loaders, forward_only: bool) -> List[dict]:
@@ -180,8 +227,15 @@ def _forward_backward(run: TrainConfig, model, loaders, forward_only: bool) -> L
     )
 
 
-def _forward_step(data_iterator, model):
+def get_batch(data_iterator, device: torch.device) -> Dict[str, torch.Tensor]:
+    """The next micro-batch on ``device``; to a GPU from pinned host memory, without blocking."""
     batch = next(data_iterator)
+    pin = device.type == "cuda"
+    return {key: (t.pin_memory() if pin else t).to(device, non_blocking=pin) for key, t in batch.items()}
+
+
+def _forward_step(data_iterator, model):
+    batch = get_batch(data_iterator, current_device())
     output = model(batch["tokens"], batch["modes"], labels=batch["labels"])
     return output, partial(_loss, batch["loss_mask"], batch["modes"])
 
@@ -216,7 +270,7 @@ class Interval:
 def _loss_sums(reports: List[dict]) -> torch.Tensor:
     """[loss sum, tokens, attention-mode loss sum, attention-mode tokens] of the global batch
     (micro-batches summed, all-reduced over data-parallel ranks); zeros off the last stage."""
-    sums = torch.zeros(4, dtype=torch.float64)
+    sums = torch.zeros(4, dtype=torch.float64, device=current_device())
     if reports:
         sums = torch.stack([r["loss_sums"] for r in reports]).sum(0).double()
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
@@ -236,12 +290,6 @@ def _loss_metrics(sums: torch.Tensor, split: str) -> Dict[str, float]:
     }
 
 
-def _save(ckpt_dir, model, optimizer, scheduler, loader, run_yaml, iteration) -> None:
-    if ckpt_dir:
-        path = checkpointing.save_checkpoint(ckpt_dir, iteration, model, optimizer, scheduler, loader, run_yaml)
-        logger.info("saved %s", path)
-
-
 def _agree_on_paths(output_dir: str, ckpt_dir):
     """Rank 0's output and checkpoint paths for everyone (ranks may resolve `now` differently)."""
     paths = [output_dir, ckpt_dir]
@@ -251,7 +299,8 @@ def _agree_on_paths(output_dir: str, ckpt_dir):
 
 def _total_params(local: int) -> int:
     """Parameters of the whole model: this rank's, summed over one data-parallel replica."""
-    n = torch.tensor([local if parallel_state.get_data_parallel_rank() == 0 else 0], dtype=torch.float64)
+    n = torch.tensor([local if parallel_state.get_data_parallel_rank() == 0 else 0], dtype=torch.float64,
+                     device=current_device())
     dist.all_reduce(n)
     return int(n.item())
 
@@ -266,4 +315,8 @@ def _check_vocab(run: TrainConfig, loader) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m oryx_megatron.train`: run the importable module's main, so that a submitit sweep
+    # pickles it by reference (cloudpickle copies __main__'s functions and classes by value).
+    from oryx_megatron.train import main as importable_main
+
+    importable_main()

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from oryx_megatron.parallel import destroy_parallel
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -26,7 +28,7 @@ def _worker(rank, world_size, port, fn, args):
         traceback.print_exc()  # every rank's failure, not only the first to reach spawn
         raise
     finally:
-        dist.destroy_process_group()
+        destroy_parallel()
 
 
 def run_distributed(fn, *args, world_size: int = 2) -> None:

@@ -83,6 +83,7 @@ def test_retrieval(checkpoint, tmp_path, task):
         assert 0 <= row["accuracy"] <= row["token_accuracy"] <= 1
     attention_tokens = 2 * 4 - 1 if task == "mqar" else 2 + 4  # 2 Q - 1; key_len + value_len
     assert rows["mixed"]["attention_fraction"] == attention_tokens / 64
+    assert result["mixed_schedule"] == f"linear_then_attention n_last={attention_tokens}"  # --schedule's text form
     if task == "niah":
         assert result["haystack"] == "heldout"
 
@@ -120,6 +121,8 @@ def test_generate_in_process(checkpoint, capsys):
     (evaluate.main, ["{ckpt}", "--task", "bleu"], "argument --task: invalid choice: 'bleu'"),
     (generate.main, ["{ckpt}", "--prompt", "x", "--schedule", "prefill=linear decode=sideways"],
      "argument --schedule: inference schedule 'prefill=linear decode=sideways'"),
+    (generate.main, ["{ckpt}", "--prompt", "x", "--schedule", "all-attention"],
+     "unknown schedule 'all-attention'; expected a schedule name (random_chunks, all_attention, all_linear, "),
     (generate.main, ["{ckpt}", "--prompt-file", "{missing}"], "--prompt-file {missing}"),
     (generate.main, ["{ckpt}", "--prompt", "x", "--stop", "ab"], "--stop 'ab' encodes to 2 tokens"),
 ])
@@ -136,3 +139,16 @@ def test_results_can_go_to_wandb_offline(checkpoint, tmp_path, monkeypatch):
     run_eval(checkpoint, tmp_path, "ppl", "--wandb", "offline")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_inference_tools_default_to_the_gpu_in_bf16_where_there_is_one():
+    import argparse
+
+    from oryx_megatron.tools.loading import add_model_arguments, default_device, default_dtype
+
+    assert (default_dtype("cuda"), default_dtype("cuda:1"), default_dtype("cpu")) == ("bfloat16", "bfloat16", "float32")
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args(["ckpt"])
+    assert (args.device, args.dtype) == (default_device(), None)  # dtype follows the device at load time
+    assert default_device() == ("cuda" if torch.cuda.is_available() else "cpu")

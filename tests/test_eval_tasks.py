@@ -5,10 +5,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from oryx_megatron.eval.tasks.mqar import MQARConfig, generate_mqar, solve_mqar
-from oryx_megatron.eval.tasks.mqar import mixed_mode_schedule as mqar_modes
-from oryx_megatron.eval.tasks.niah import NIAHConfig, generate_niah, solve_niah
-from oryx_megatron.eval.tasks.niah import mixed_mode_schedule as niah_modes
+from oryx_megatron.data.tasks.mqar import MQARConfig, generate_mqar, solve_mqar
+from oryx_megatron.data.tasks.mqar import mixed_mode_schedule as mqar_modes
+from oryx_megatron.data.tasks.niah import NIAHConfig, generate_niah, solve_niah
+from oryx_megatron.data.tasks.niah import mixed_mode_schedule as niah_modes
 
 CORPUS = np.arange(1, 4000) % 199 + 1  # a stand-in for held-out corpus tokens (no 0: the marker)
 

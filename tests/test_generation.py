@@ -5,10 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from oryx_megatron.data.modes import Mode, switch_at
+from oryx_megatron.config import Mode
+from oryx_megatron.data.modes import all_attention, linear_then_attention, switch_at
 from oryx_megatron.inference import (
+    ALL_ATTENTION,
+    ALL_LINEAR,
     LINEAR_PREFILL,
     PhaseSchedule,
+    PositionSchedule,
     Sampler,
     SamplingParams,
     Span,
@@ -42,7 +46,7 @@ def prompts(lengths=PROMPT_LENGTHS, seed=0):
 
 def recompute_greedy(model, prompt, schedule, max_new):
     """Reference: a full parallel forward over prompt + generated tokens at every step."""
-    modes = torch.from_numpy(schedule.modes(len(prompt), len(prompt) + max_new - 1))
+    modes = torch.from_numpy(schedule.position_modes(len(prompt), len(prompt) + max_new - 1))
     tokens, logits = list(prompt), []
     greedy = Sampler(SamplingParams(), VOCAB)
     with torch.no_grad():
@@ -56,9 +60,10 @@ def recompute_greedy(model, prompt, schedule, max_new):
 @pytest.mark.parametrize(
     "schedule",
     [
-        "all-attention",
-        "all-linear",
+        "all_attention",
+        "all_linear",
         "prefill=linear decode=attention",
+        "linear_then_attention n_last=8",  # a training schedule: the switch falls at another position per prompt
         "attention:0-7,linear:7-",  # mid-prompt for prompts 9 and 12, mid-generation for 5
         "linear:0-11,attention:11-",  # mid-generation for prompt 9, mid-prompt for 12
     ],
@@ -87,7 +92,7 @@ def test_stop_tokens_max_tokens_and_stats(model):
             assert result.tokens[i] == out and result.finish_reasons[i] == "length"
         assert len(result.tokens[i]) <= MAX_NEW
         fed = len(prompt) + len(result.tokens[i]) - 1  # the last generated token is never fed
-        expected_fed += np.bincount(schedule.modes(len(prompt), fed), minlength=len(Mode))
+        expected_fed += np.bincount(schedule.position_modes(len(prompt), fed), minlength=len(Mode))
     assert result.finish_reasons[0] == "stop"
 
     stats = result.stats
@@ -116,11 +121,11 @@ def test_sampled_generation_is_reproducible_and_stays_in_vocab(model):
 
 def test_generate_rejects_bad_arguments(model):
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
-        generate(model, prompts(), "all-attention", 0)
+        generate(model, prompts(), "all_attention", 0)
     with pytest.raises(ValueError, match="non-empty token lists"):
-        generate(model, [[1], []], "all-attention", 2)
+        generate(model, [[1], []], "all_attention", 2)
     with pytest.raises(ValueError, match=r"id 100, outside \[0, vocab_size=97\)"):
-        generate(model, [[1, 100]], "all-attention", 2, vocab_size=VOCAB)
+        generate(model, [[1, 100]], "all_attention", 2, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"covers positions \[0, 8\)"):
         generate(model, [[1, 2, 3]], "linear:0-8", 7)
 
@@ -172,23 +177,35 @@ def test_sampling_params_errors_name_the_field(fields, message):
 # ---- schedules ----
 
 def test_schedules_give_prompt_and_generated_modes():
-    assert parse_schedule("all-attention").modes(3, 5).tolist() == [1] * 5
-    assert parse_schedule("all_linear").modes(3, 5).tolist() == [0] * 5
+    assert parse_schedule("all_attention") == ALL_ATTENTION == PositionSchedule(all_attention())
+    assert ALL_ATTENTION.position_modes(3, 5).tolist() == [1] * 5
+    assert parse_schedule("all_linear") == ALL_LINEAR and ALL_LINEAR.position_modes(3, 5).tolist() == [0] * 5
+    tail = parse_schedule("linear_then_attention n_last=2")  # the training schedules, by name and fields
+    assert tail == PositionSchedule(linear_then_attention(2)) and tail.position_modes(3, 5).tolist() == [0, 0, 0, 1, 1]
+    switch = parse_schedule("switch_at t=1, before=attention after=linear")
+    assert switch == as_inference_schedule(switch_at(1, Mode.ATTENTION, Mode.LINEAR))
+    assert switch.position_modes(3, 4).tolist() == [1, 0, 0, 0]
     phases = parse_schedule("prefill=linear, decode=attention")
     assert phases == LINEAR_PREFILL == PhaseSchedule("linear", 1)
-    assert phases.modes(3, 5).tolist() == [0, 0, 0, 1, 1]
+    assert phases.position_modes(3, 5).tolist() == [0, 0, 0, 1, 1]
     spans = parse_schedule("linear:0-2,attention:2-4,linear:4-")
     assert spans == SpanSchedule((Span(Mode.LINEAR, 0, 2), Span(Mode.ATTENTION, 2, 4), Span(Mode.LINEAR, 4)))
-    assert spans.modes(9, 6).tolist() == [0, 0, 1, 1, 0, 0]
-    assert parse_schedule("attention:0-3").modes(1, 2).tolist() == [1, 1]
-    for schedule in (phases, spans):
+    assert spans.position_modes(9, 6).tolist() == [0, 0, 1, 1, 0, 0]
+    assert parse_schedule("attention:0-3").position_modes(1, 2).tolist() == [1, 1]
+    for schedule in (phases, spans, tail, switch, ALL_ATTENTION, ALL_LINEAR):
         assert parse_schedule(str(schedule)) == schedule
+    assert str(ALL_ATTENTION) == "all_attention" and str(tail) == "linear_then_attention n_last=2"
 
 
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("diagonal", r"cannot read 'diagonal'; expected 'all-attention'"),
+        ("diagonal", r"unknown schedule 'diagonal'; expected a schedule name \(random_chunks, all_attention, "
+                     r"all_linear, switch_at, linear_then_attention, explicit\)"),
+        ("all-attention", r"unknown schedule 'all-attention'; expected a schedule name \(random_chunks, all_attention"),
+        ("attention", r"unknown schedule 'attention'"),  # a mode, not a schedule
+        ("switch_at", r"inference schedule 'switch_at': mode schedule 'switch_at' needs field 't'"),
+        ("linear_then_attention n_last=-1", r"linear_then_attention.n_last must be an integer >= 0"),
         ("prefill=lin decode=attention", r"part 'prefill=lin': unknown mode 'lin'"),
         ("prefill=linear", r"missing 'decode=MODE'"),
         ("prefill=linear speed=fast", r"cannot read 'speed=fast'"),

@@ -1,4 +1,5 @@
-"""The lm-eval adapter (model ``oryx``) on a tiny checkpoint and a local multiple-choice task."""
+"""The lm-eval adapter (``OryxLM``, and the model ``oryx`` built from a checkpoint) on a tiny
+checkpoint and a local multiple-choice task."""
 
 import json
 import os
@@ -14,6 +15,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from oryx_megatron.eval.lm_eval_adapter import OryxLM, pair_modes, score_continuation  # noqa: E402
+from oryx_megatron.tools.lm_eval_harness import OryxCheckpointLM  # noqa: E402  (registers "oryx")
 
 DOCS = [
     {"question": "import", "choices": ["os", "}{", "9x"], "label": 0},
@@ -32,7 +34,7 @@ def checkpoint(tiny_checkpoint, one_thread):
 
 @pytest.fixture(scope="module")
 def lm(checkpoint):
-    return OryxLM(checkpoint=checkpoint, schedule="prefill=linear decode=attention", batch_size=4)
+    return OryxCheckpointLM(checkpoint=checkpoint, schedule="prefill=linear decode=attention", batch_size=4)
 
 
 def test_loglikelihood_matches_score_and_model_loss(lm):
@@ -58,6 +60,11 @@ def test_loglikelihood_matches_score_and_model_loss(lm):
     for (batched, _), request in zip(lm.loglikelihood(requests), requests):
         c, x = lm._encode_pair(*request.args)
         assert batched == pytest.approx(score_continuation(lm.model, c, x, lm.schedule)[0], abs=1e-5)
+
+    # the library adapter on an already loaded model and tokenizer answers the same
+    loaded = OryxLM(lm.model, lm.tokenizer, "prefill=linear decode=attention", batch_size=2)
+    assert loaded.max_length == lm.max_length == lm.run.model.max_sequence_length
+    assert loaded.loglikelihood(requests) == lm.loglikelihood(requests)
 
 
 def test_rolling_and_generate(lm):
@@ -85,17 +92,17 @@ def test_simple_evaluate_multiple_choice(checkpoint, tmp_path):
         "metric_list:\n  - metric: acc\n"
     )
     results = lm_eval.simple_evaluate(
-        model="oryx", model_args=f"checkpoint={checkpoint},schedule=all-attention", tasks=["oryx_code_mc"],
+        model="oryx", model_args=f"checkpoint={checkpoint},schedule=all_attention", tasks=["oryx_code_mc"],
         task_manager=TaskManager(include_path=str(tmp_path)), bootstrap_iters=0, log_samples=False,
     )
     acc = results["results"]["oryx_code_mc"]["acc,none"]
     assert 0 <= acc <= 1
 
-    lm = OryxLM(checkpoint=checkpoint)  # all-attention
+    lm = OryxCheckpointLM(checkpoint=checkpoint)  # all_attention
     correct = 0
     for doc in DOCS:
         ctx = [int(i) for i in lm.tokenizer.encode_batch([doc["question"]])[0]]
         scores = [score_continuation(lm.model, ctx, [int(i) for i in lm.tokenizer.encode_batch([" " + c])[0]],
-                                     "all-attention")[0] for c in doc["choices"]]
+                                     "all_attention")[0] for c in doc["choices"]]
         correct += int(max(range(len(scores)), key=lambda i: (scores[i], -i)) == doc["label"])
     assert acc == pytest.approx(correct / len(DOCS))

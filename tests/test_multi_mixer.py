@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from oryx_megatron.data.modes import Mode
+from oryx_megatron.config import LINEAR_MIXERS, Mode
+from oryx_megatron.layers.linear_mixers import LINEAR_MIXER_CLASSES
 from tests.helpers import build_mixer
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel")
@@ -85,15 +86,20 @@ def test_each_token_reads_its_modes_mixer_over_all_earlier_tokens(family):
     assert (all_attention - all_linear).abs().max() > 1e-3  # the two mixers do differ
 
 
-def copy_shared_weights(src, dst):
-    """Give `dst` (a single-mixer layer) the weights of `src` (the multi-mixer) it has."""
+def copy_weights(src, dst, same_as=None):
+    """Give `dst` the weights of `src` that it has: its input-projection rows stream by stream,
+    every other parameter by name. `same_as` maps a stream of dst to the src stream it copies."""
+    same_as = same_as or {}
     h, hidden = src.num_heads, src.config.hidden_size
-    src_rows = dict(zip(src.streams, src.linear_in.weight.view(h, -1, hidden).split(list(src.streams.values()), 1)))
+    rows = dict(zip(src.streams, src.in_proj.weight.view(h, -1, hidden).split(list(src.streams.values()), 1)))
+    params = dict(src.named_parameters())
+    params.update({f"conv_{dst_name}": params[f"conv_{src_name}"] for dst_name, src_name in same_as.items()})
     with torch.no_grad():
-        dst.linear_in.weight.copy_(torch.cat([src_rows[n] for n in dst.streams], dim=1).view(-1, hidden))
-        dst.linear_out.weight.copy_(src.linear_out.weight)
-        for name in dst.head_params:
-            getattr(dst, name).copy_(getattr(src, name))
+        for name, param in dst.named_parameters():
+            if name == "in_proj.weight":
+                param.copy_(torch.cat([rows[same_as.get(n, n)] for n in dst.streams], dim=1).view(-1, hidden))
+            else:
+                param.copy_(params[name])
 
 
 @pytest.mark.parametrize(
@@ -104,7 +110,7 @@ def test_single_mode_equals_the_single_mixer_layer(family, single, mode):
     multi = build_mixer(family)
     alone = build_mixer(family, seed=1, mixers=single)
     assert alone.config.mixer_list == (single,)
-    copy_shared_weights(multi, alone)
+    copy_weights(multi, alone)
     x = hidden_states(7)
     modes = torch.full((B, S), int(mode), dtype=torch.int8)
     assert (run_parallel(multi, x, modes) - run_parallel(alone, x, None)).abs().max() < 1e-12
@@ -139,19 +145,14 @@ def test_shared_query_attention_reads_with_the_linear_query():
     on, same weights) computes what the shared-query mixer computes."""
     shared = build_mixer("oryx_tg", shared_query=True)
     separate = build_mixer("oryx_tg", seed=1, attention_query_conv=True)
-    with torch.no_grad():
-        heads = shared.num_heads
-        src = shared.linear_in.weight.view(heads, -1, HIDDEN).split(list(shared.streams.values()), dim=1)
-        src = dict(zip(shared.streams, src))
-        src["q_attn"] = src["q_lin"]
-        dst = separate.linear_in.weight.view(heads, -1, HIDDEN)
-        dst.copy_(torch.cat([src[name] for name in separate.streams], dim=1))
-        for name in separate.head_params:
-            source = "conv_q_lin" if name == "conv_q_attn" else name
-            getattr(separate, name).copy_(getattr(shared, source))
-        separate.linear_out.weight.copy_(shared.linear_out.weight)
+    copy_weights(shared, separate, same_as={"q_attn": "q_lin"})
     x, modes = hidden_states(12), random_modes(13, chunk=4)
     assert (run_parallel(separate, x, modes) - run_parallel(shared, x, modes)).abs().max() < 1e-12
     counts = shared.parameter_counts()
-    # linear-only: the beta and alpha rows of W_in, A_log and dt_bias; the query is shared now
+    # linear-only: the beta and alpha rows of in_proj, A_log and dt_bias; the query is shared now
     assert counts["attention"] == 0 and counts["linear"] == shared.num_heads * (2 * HIDDEN + 2)
+
+
+def test_every_linear_mixer_name_has_its_class():
+    """config.LINEAR_MIXERS (validated by OryxConfig, which cannot import layers) names the registry."""
+    assert tuple(LINEAR_MIXER_CLASSES) == LINEAR_MIXERS

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -169,3 +170,36 @@ def test_multirun_sweep_runs_one_job_per_point_through_submitit(corpus, tmp_path
     assert [[o for o in p if o.startswith("optimizer.lr=")] for p in points] == [["optimizer.lr=0.001"], ["optimizer.lr=0.003"]]
     lr = [losses(tmp_path / job, "train/lr") for job in ("0", "1")]  # after the 1-step warmup: the peak lr
     assert len(lr[0]) == len(lr[1]) == 2 and lr[0][0] == pytest.approx(1e-3) and lr[1][0] == pytest.approx(3e-3)
+
+
+def test_get_batch_moves_every_tensor_to_the_device():
+    from oryx_megatron.train import get_batch
+
+    batch = {"tokens": torch.zeros(2, 8, dtype=torch.long), "modes": torch.ones(2, 8, dtype=torch.int8)}
+    moved = get_batch(iter([batch]), torch.device("meta"))
+    assert {k: (t.device.type, t.dtype, tuple(t.shape)) for k, t in moved.items()} == {
+        "tokens": ("meta", torch.long, (2, 8)), "modes": ("meta", torch.int8, (2, 8))}
+    same = get_batch(iter([batch]), torch.device("cpu"))
+    assert all(same[k] is batch[k] for k in batch)  # on the CPU nothing is copied
+
+
+def test_eval_loaders_are_built_once_rewound_and_closed(corpus, tmp_path):
+    import psutil
+
+    from oryx_megatron.compat.cpu import cuda_to_cpu
+    from oryx_megatron.parallel import initialize_parallel
+    from oryx_megatron.train import Trainer
+
+    run = run_config(corpus, tmp_path, "train.train_iters=2", "train.eval_interval=1", "train.eval_iters=2",
+                     "data.num_workers=1", "train.eval_schedules=[all_attention,all_linear]")
+    initialize_parallel(seed=run.train.seed)
+    others = set(psutil.Process().children(recursive=True))  # of earlier tests (e.g. W&B's service)
+    with cuda_to_cpu(), Trainer(run, str(tmp_path / "out")) as trainer:
+        trainer.train_step()
+        first = trainer.evaluate()
+        workers = [p for p in psutil.Process().children(recursive=True) if p not in others]
+        assert trainer.evaluate() == first  # the same windows again: the loaders were rewound
+        assert [p for p in psutil.Process().children(recursive=True) if p not in others] == workers  # no new pools
+        assert set(first) == {"eval/loss_all_attention", "eval/loss_all_linear"}
+        assert len(workers) == 3  # one worker each: the train loader's pool and one pool per eval schedule
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]

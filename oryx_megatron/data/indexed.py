@@ -98,4 +98,8 @@ class IndexedLoader(RankBatches):
     def load_state_dict(self, state: dict) -> None:
         self._check_state(state, seq_len=self.seq_len, seed=self.seed, num_samples=self.num_samples)
         self.consumed_samples = state["consumed_samples"]
+        self.close()
+
+    def close(self) -> None:
+        """Drop the torch DataLoader iterator, which shuts its worker processes down."""
         self._batches = None

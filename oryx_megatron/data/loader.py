@@ -160,6 +160,15 @@ class RankBatches:
     def __iter__(self):
         return self
 
+    def close(self) -> None:
+        """Release worker processes (none here)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class ShardLoader(RankBatches):
     """Micro-batches of packed ``seq_len + 1`` windows from token-shard datasets (manifests),
@@ -239,5 +248,6 @@ class ShardLoader(RankBatches):
             stream.seek(int(n) * self.seq_len)
 
     def close(self) -> None:
+        """Shut the shard-reading worker pool down."""
         if self._pool:
             self._pool.shutdown(cancel_futures=True)

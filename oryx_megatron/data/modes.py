@@ -1,11 +1,13 @@
 """Mode schedules: which mixer each token reads with.
 
-A schedule maps (sequence length, global sample index, seed) to an int8 array of
-per-token modes. Modes are a pure function of those three numbers, drawn from a
+A schedule's ``sample_modes(seq_len, sample_index, seed)`` gives the int8 per-token modes of
+one training sample. Modes are a pure function of those three numbers, drawn from a
 counter-based generator seeded with ``[seed, sample_index]``, so every rank and every
-resumed run derives the same modes without communication.
+resumed run derives the same modes without communication. (Inference applies the same
+schedules to the positions of a prompt and its continuation: ``inference.schedules``.)
 
-Named schedules (``build_mode_schedule({"name": ..., **fields})``):
+Named schedules (``build_mode_schedule({"name": ..., **fields})``, or the text form
+``build_mode_schedule("switch_at t=512 before=linear")`` that ``str(schedule)`` writes):
 
 - ``random_chunks(chunk_size=128, p_attention=0.5)``: chunks of ``chunk_size``
   tokens from position 0, each attention with probability ``p_attention`` (training);
@@ -16,19 +18,14 @@ Named schedules (``build_mode_schedule({"name": ..., **fields})``):
 """
 
 import dataclasses
+import re
 from collections.abc import Mapping
-from enum import IntEnum
 from typing import ClassVar, Sequence, Union
 
 import numpy as np
 import torch
 
-
-class Mode(IntEnum):
-    """Values of the ``modes`` tensor (room is left for more mixers)."""
-
-    LINEAR = 0
-    ATTENTION = 1
+from oryx_megatron.config import Mode
 
 
 def parse_mode(value: Union[int, str, Mode], where: str) -> Mode:
@@ -50,13 +47,17 @@ class ModeSchedule:
 
     name: ClassVar[str]
 
-    def modes(self, seq_len: int, sample_index: int = 0, seed: int = 0) -> np.ndarray:
-        """Per-token modes, int8 [seq_len]."""
+    def sample_modes(self, seq_len: int, sample_index: int = 0, seed: int = 0) -> np.ndarray:
+        """The modes of global sample ``sample_index`` of a run seeded ``seed``, int8 [seq_len]."""
         raise NotImplementedError
 
     def batch(self, seq_len: int, sample_indices: Sequence[int], seed: int = 0) -> torch.Tensor:
         """Modes for a batch of global sample indices, int8 [len(sample_indices), seq_len]."""
-        return torch.from_numpy(np.stack([self.modes(seq_len, i, seed) for i in sample_indices]))
+        return torch.from_numpy(np.stack([self.sample_modes(seq_len, i, seed) for i in sample_indices]))
+
+    def __str__(self):
+        """The text form ``build_mode_schedule`` reads back: the name, then FIELD=VALUE per field."""
+        return " ".join([self.name] + [f"{f.name}={_format(getattr(self, f.name))}" for f in dataclasses.fields(self)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ class RandomChunks(ModeSchedule):
         if not 0.0 <= self.p_attention <= 1.0:
             raise ValueError(f"random_chunks.p_attention must be in [0, 1], got {self.p_attention!r}")
 
-    def modes(self, seq_len, sample_index=0, seed=0):
+    def sample_modes(self, seq_len, sample_index=0, seed=0):
         n_chunks = -(-seq_len // self.chunk_size)
         draws = np.random.default_rng([seed, sample_index]).random(n_chunks)
         chunk_modes = np.where(draws < self.p_attention, Mode.ATTENTION, Mode.LINEAR).astype(np.int8)
@@ -81,7 +82,7 @@ class RandomChunks(ModeSchedule):
 class AllAttention(ModeSchedule):
     name = "all_attention"
 
-    def modes(self, seq_len, sample_index=0, seed=0):
+    def sample_modes(self, seq_len, sample_index=0, seed=0):
         return np.full(seq_len, Mode.ATTENTION, np.int8)
 
 
@@ -89,7 +90,7 @@ class AllAttention(ModeSchedule):
 class AllLinear(ModeSchedule):
     name = "all_linear"
 
-    def modes(self, seq_len, sample_index=0, seed=0):
+    def sample_modes(self, seq_len, sample_index=0, seed=0):
         return np.full(seq_len, Mode.LINEAR, np.int8)
 
 
@@ -105,7 +106,7 @@ class SwitchAt(ModeSchedule):
         object.__setattr__(self, "before", parse_mode(self.before, "switch_at.before"))
         object.__setattr__(self, "after", parse_mode(self.after, "switch_at.after"))
 
-    def modes(self, seq_len, sample_index=0, seed=0):
+    def sample_modes(self, seq_len, sample_index=0, seed=0):
         return np.where(np.arange(seq_len) < self.t, self.before, self.after).astype(np.int8)
 
 
@@ -119,8 +120,8 @@ class LinearThenAttention(ModeSchedule):
     def __post_init__(self):
         check_int(self.n_last, 0, "linear_then_attention.n_last")
 
-    def modes(self, seq_len, sample_index=0, seed=0):
-        return SwitchAt(max(seq_len - self.n_last, 0)).modes(seq_len)
+    def sample_modes(self, seq_len, sample_index=0, seed=0):
+        return SwitchAt(max(seq_len - self.n_last, 0)).sample_modes(seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Explicit(ModeSchedule):
         modes = tuple(parse_mode(m, f"explicit.chunk_modes[{i}]") for i, m in enumerate(self.chunk_modes))
         object.__setattr__(self, "chunk_modes", modes)
 
-    def modes(self, seq_len, sample_index=0, seed=0):
+    def sample_modes(self, seq_len, sample_index=0, seed=0):
         covered = len(self.chunk_modes) * self.chunk_size
         if seq_len > covered:
             raise ValueError(
@@ -155,19 +156,59 @@ random_chunks, all_attention, all_linear = RandomChunks, AllAttention, AllLinear
 switch_at, linear_then_attention, explicit = SwitchAt, LinearThenAttention, Explicit
 
 
+def _format(value) -> str:
+    """A field value as the text form writes it: modes by name, lists as [a,b,c]."""
+    if isinstance(value, Mode):
+        return value.name.lower()
+    if isinstance(value, (tuple, list)):
+        return "[" + ",".join(map(_format, value)) + "]"
+    return str(value)
+
+
+def _read_value(text: str):
+    """'[a,b]' -> a tuple of values; else an int, a float or the string itself."""
+    if text.startswith("[") and text.endswith("]"):
+        return tuple(_read_value(item.strip()) for item in text[1:-1].split(",") if item.strip())
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+# Spaces and commas separate the parts of the text form, except inside [...].
+_SEPARATOR = re.compile(r"[\s,]+(?![^\[]*\])")
+
+
+def _read_text(text: str) -> dict:
+    """'switch_at t=512, before=linear' -> {"name": "switch_at", "t": 512, "before": "linear"}."""
+    name, *parts = [p for p in _SEPARATOR.split(text.strip()) if p] or [None]
+    fields = {"name": name}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if not key or not value:
+            raise ValueError(f"mode schedule {text!r}: cannot read {part!r}; expected FIELD=VALUE")
+        if key in fields:
+            raise ValueError(f"mode schedule {text!r}: {key!r} is given twice")
+        fields[key] = _read_value(value)
+    return fields
+
+
 def build_mode_schedule(config=None) -> ModeSchedule:
-    """A schedule from a config: a ModeSchedule, a name, a mapping or a dataclass with a ``name``
-    field plus the schedule's fields; None gives the training default ``random_chunks()``."""
+    """A schedule from a config: a ModeSchedule, a mapping or a dataclass with a ``name`` field
+    plus the schedule's fields, or the text form (a name, then FIELD=VALUE per field:
+    ``"linear_then_attention n_last=64"``); None gives the training default ``random_chunks()``."""
     if config is None:
         return RandomChunks()
     if isinstance(config, ModeSchedule):
         return config
     if isinstance(config, str):
-        config = {"name": config}
+        config = _read_text(config)
     elif dataclasses.is_dataclass(config):
         config = dataclasses.asdict(config)
     elif not isinstance(config, Mapping):
-        raise TypeError(f"mode schedule config must be a mapping, a name or a ModeSchedule, got {type(config).__name__}")
+        raise TypeError(f"mode schedule config must be a mapping, a string or a ModeSchedule, got {type(config).__name__}")
     fields = dict(config)
     name = fields.pop("name", None)
     if name not in SCHEDULES:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from oryx_megatron.data.loader import RankBatches
-from oryx_megatron.eval.tasks.mqar import MQARConfig, generate_mqar
+from oryx_megatron.data.tasks.mqar import MQARConfig, generate_mqar
 
 # Tags that keep the seed streams of the splits apart.
 SPLIT_TAGS = {"train": 0, "valid": 1}

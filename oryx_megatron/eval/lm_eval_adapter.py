@@ -1,24 +1,16 @@
-"""lm-evaluation-harness adapter: an Oryx checkpoint as the lm-eval model ``oryx``.
+"""lm-evaluation-harness adapter: a loaded Oryx model and tokenizer as an lm-eval ``LM``.
 
-    python -m oryx_megatron.eval.lm_eval_adapter --model oryx \\
-        --model_args checkpoint=runs/ckpt,schedule=all-attention,batch_size=8 \\
-        --tasks hellaswag --include_path my_tasks/
-
-(``lm_eval --model oryx`` itself only finds the model once this module is imported: from
-Python, ``import oryx_megatron.eval.lm_eval_adapter`` before ``lm_eval.simple_evaluate``;
-from the shell, run lm-eval through ``python -m oryx_megatron.eval.lm_eval_adapter``, which
-takes exactly lm-eval's command line.)
-
-model_args: ``checkpoint`` (a checkpoint dir or a run's checkpoint.dir), ``schedule`` (an
-inference schedule, default ``all-attention``; model_args are comma-separated, so write the
-commas of a span schedule as ';': ``schedule=linear:0-64;attention:64-``), ``batch_size``,
-``max_length`` (default the model's max_sequence_length), ``device``, ``dtype``
-(float32 | bfloat16), ``tokenizer`` ('byte' or a tokenizer.json; default the dataset's).
+``OryxLM(model, tokenizer, schedule, batch_size, max_length)`` answers lm-eval's requests;
+the model ``oryx`` of lm-eval's registry, built from a checkpoint path (``model_args``), and
+the command line are in ``oryx_megatron.tools.lm_eval_harness`` (loading a dataset's
+tokenizer is a tools-level job).
 
 Modes follow ``oryx_megatron.inference`` exactly: for a (context, continuation) pair the
 context is the prompt and the continuation the generated tokens, so the fed tokens are
-``context + continuation[:-1]`` with modes ``schedule.modes(len(context), len(context) +
-len(continuation) - 1)``, the modes ``generate`` would use to produce that continuation.
+``context + continuation[:-1]`` with modes ``schedule.position_modes(len(context),
+len(context) + len(continuation) - 1)``, the modes ``generate`` would use to produce that
+continuation.
+
 All of a request's log-probs come from one parallel forward and are the model's own: the
 softmax runs over the model's (padded) vocab, as in its training loss. ``loglikelihood_rolling``
 scores every token of a text given the EOD token (the prompt); texts longer than max_length
@@ -31,27 +23,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from oryx_megatron.inference import SamplingParams, as_inference_schedule, generate
-from oryx_megatron.inference.checkpoint import load_model
-from oryx_megatron.tools.generate import DTYPES, dataset_tokenizer
 
 DEFAULT_MAX_GEN_TOKS = 256
 
 
-def _schedule(schedule):
-    """An InferenceSchedule; in a string, ';' stands for ',' (model_args split on commas)."""
-    if isinstance(schedule, str):
-        schedule = schedule.replace(";", ",")
-    return as_inference_schedule(schedule)
-
-
 def pair_modes(schedule, context_len: int, continuation_len: int) -> np.ndarray:
     """int8 [context_len + continuation_len - 1]: the modes of the fed tokens of a pair."""
-    return _schedule(schedule).modes(context_len, context_len + continuation_len - 1)
+    return as_inference_schedule(schedule).position_modes(context_len, context_len + continuation_len - 1)
 
 
 @torch.no_grad()
@@ -61,7 +43,7 @@ def continuation_logprobs(model, sequences: Sequence[Tuple[Sequence[int], Sequen
     continuation token, whether it is the argmax [len(continuation)] bool), from one parallel
     forward of the batch (right-padded; the model is causal, so padding never reaches a scored
     position)."""
-    schedule = _schedule(schedule)
+    schedule = as_inference_schedule(schedule)
     device = next(model.parameters()).device
     lengths = [len(c) + len(x) - 1 for c, x in sequences]
     s = max(lengths)
@@ -99,37 +81,25 @@ def score_continuation(model, context_ids: Sequence[int], continuation_ids: Sequ
     return float(logprobs.sum()), bool(greedy.all())
 
 
-@register_model("oryx")
 class OryxLM(LM):
-    def __init__(self, checkpoint: str, schedule: str = "all-attention", batch_size=1,
-                 max_length: Optional[int] = None, device: Optional[str] = None, dtype: str = "float32",
-                 tokenizer: Optional[str] = None, max_batch_size=None, **kwargs):
+    """lm-eval's requests answered by ``model`` (on its device, TP = PP = 1) under ``schedule``
+    (an inference schedule or its text form); ``tokenizer`` has ``encode_batch``, ``decode``,
+    ``vocab_size`` and ``eod_id`` (``data_prep.tokenizer``'s); ``max_length`` defaults to the
+    model's max_sequence_length."""
+
+    def __init__(self, model, tokenizer, schedule="all_attention", batch_size=1, max_length: Optional[int] = None):
         super().__init__()
-        self.schedule = _schedule(str(schedule))
+        self.schedule = as_inference_schedule(schedule)
         try:
             self.batch_size = max(1, int(batch_size))
         except (TypeError, ValueError):  # "auto": not supported, one request at a time
             self.batch_size = 1
-        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
-            device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's CLI defaults to cuda
-        self._device = torch.device(device)
-        model, run = load_model(str(checkpoint), DTYPES[dtype])
-        self.model = model.to(self._device)
-        self.run = run
-        self.tokenizer = dataset_tokenizer(run, tokenizer)
+        self.model = model
+        self._device = next(model.parameters()).device
+        self.tokenizer = tokenizer
         self.vocab_size = self.tokenizer.vocab_size
         self.eod_id = self.tokenizer.eod_id
-        self.max_length = int(max_length) if max_length is not None else int(run.model.max_sequence_length)
-
-    @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: Optional[dict] = None):
-        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
-
-    @classmethod
-    def create_from_arg_obj(cls, arg_dict: dict, additional_config: Optional[dict] = None):
-        """model_args win over lm-eval's own settings (its CLI always passes batch_size)."""
-        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
-        return cls(**{**extra, **arg_dict})
+        self.max_length = int(max_length) if max_length is not None else int(model.max_sequence_length)
 
     # ---- tokenization ----
     def tok_encode(self, text: str) -> List[int]:
@@ -228,14 +198,3 @@ class OryxLM(LM):
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out
-
-
-def main() -> None:
-    """lm-eval's command line, with the ``oryx`` model registered."""
-    from lm_eval.__main__ import cli_evaluate
-
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Mode switching: per-position held-out loss when the mixer switches at position t.
 
-Four schedules read the same held-out windows: all-attention, all-linear, attention -> linear
+Four schedules read the same held-out windows: all_attention, all_linear, attention -> linear
 and linear -> attention at t (``switch_at``: positions < t in the first mode, >= t in the
 second). The curve of a schedule is the mean loss at each position over the windows; the loss
 at position p is that of predicting token p + 1 from the read of token p.
@@ -23,7 +23,8 @@ from typing import Dict, Optional
 import numpy as np
 from matplotlib.figure import Figure  # no pyplot: renders with Agg, no global backend
 
-from oryx_megatron.data.modes import Mode, all_attention, all_linear, switch_at
+from oryx_megatron.config import Mode
+from oryx_megatron.data.modes import all_attention, all_linear, switch_at
 from oryx_megatron.eval.ppl import heldout_batches, token_losses
 from oryx_megatron.training.config import TrainConfig
 
@@ -88,8 +89,8 @@ def evaluate_mode_switch(model, run: TrainConfig, out: Path, t: Optional[int] = 
         raise ValueError(f"switch position {t} must be inside the window (0 < t < seq_length={seq_len})")
     schedules = dict(zip(CURVES, (all_attention(), all_linear(), switch_at(t, Mode.ATTENTION, Mode.LINEAR),
                                   switch_at(t, Mode.LINEAR, Mode.ATTENTION))))
-    batches = heldout_batches(run, num_batches, batch_size)
-    curves = {name: token_losses(model, batches, s, run.train.seed)[0].mean(0).numpy() for name, s in schedules.items()}
+    curves = {name: token_losses(model, heldout_batches(run, num_batches, batch_size, s)).mean(0).numpy()
+              for name, s in schedules.items()}
     write_csv(curves, out / "mode_switch.csv")
     plot(curves, t, out / "mode_switch.png")
     rows = [dict(switch=name, target=target,

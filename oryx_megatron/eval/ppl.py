@@ -1,9 +1,9 @@
 """Held-out perplexity under mode schedules, and the held-out-data helpers the other evals share.
 
-The windows are read once from the checkpoint's dataset (valid split, the loader of
-training eval); every schedule reads the same windows, so the losses differ only by modes.
-The modes of window i come from ``schedule.modes(seq_len, i, run.train.seed)`` (the training
-loader's keying), so ``random_chunks`` reproduces the training eval's draws.
+The windows come from the checkpoint's dataset through the loader of training eval (valid
+split); every schedule reads the same windows, so the losses differ only by modes, and the
+modes are the loader's (keyed by global sample index and seed), so ``random_chunks``
+reproduces the training eval's draws.
 """
 
 import dataclasses
@@ -14,8 +14,9 @@ import torch
 from torch import Tensor
 
 from oryx_megatron.data.loader import parse_blend
+from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import (
-    Mode, ModeSchedule, RandomChunks, all_attention, all_linear, build_mode_schedule, linear_then_attention,
+    ModeSchedule, RandomChunks, all_attention, all_linear, build_mode_schedule, linear_then_attention,
 )
 from oryx_megatron.data.shards import Manifest
 from oryx_megatron.training.builders import build_loader
@@ -34,32 +35,29 @@ def dataset_vocab(run: TrainConfig) -> Tuple[int, Optional[int]]:
     return manifest.vocab_size, manifest.eod_id
 
 
-def heldout_batches(run: TrainConfig, num_batches: int, batch_size: int) -> List[Dict[str, Tensor]]:
-    """``num_batches`` held-out batches, tokens and labels [batch_size, seq_length] int64."""
+def heldout_batches(run: TrainConfig, num_batches: int, batch_size: int,
+                    schedule: Optional[ModeSchedule] = None) -> List[Dict[str, Tensor]]:
+    """The first ``num_batches`` batches of the held-out loader (the valid split of training eval):
+    tokens, labels and modes [batch_size, seq_length], the modes drawn by ``schedule`` (default:
+    the run's) as the loader keys them, by global sample index and seed."""
     run = dataclasses.replace(
         run,
         data=dataclasses.replace(run.data, num_workers=0),
         train=dataclasses.replace(run.train, micro_batch_size=batch_size, global_batch_size=batch_size,
                                   eval_iters=num_batches),
     )
-    loader = build_loader(run, split="valid")
-    return [{key: batch[key] for key in ("tokens", "labels")} for batch, _ in zip(loader, range(num_batches))]
+    with build_loader(run, split="valid", mode_schedule=schedule) as loader:
+        return [{key: batch[key] for key in ("tokens", "labels", "modes")}
+                for batch, _ in zip(loader, range(num_batches))]
 
 
 @torch.no_grad()
-def token_losses(model, batches: List[Dict[str, Tensor]], schedule: ModeSchedule, seed: int) -> Tuple[Tensor, Tensor]:
-    """Per-token loss [n, s] fp32 of every window under ``schedule``, and the modes [n, s]."""
+def token_losses(model, batches: List[Dict[str, Tensor]]) -> Tensor:
+    """Per-token loss [n, s] fp32 of every window, each token reading with its batch's mode."""
     device = next(model.parameters()).device
-    losses, modes = [], []
-    first = 0  # global index of the batch's first window
-    for batch in batches:
-        b, s = batch["tokens"].shape
-        batch_modes = schedule.batch(s, range(first, first + b), seed)  # int8 [b, s]
-        loss = model(batch["tokens"].to(device), batch_modes.to(device), labels=batch["labels"].to(device))
-        losses.append(loss.float().cpu())
-        modes.append(batch_modes)
-        first += b
-    return torch.cat(losses), torch.cat(modes)
+    losses = [model(b["tokens"].to(device), b["modes"].to(device), labels=b["labels"].to(device)).float().cpu()
+              for b in batches]
+    return torch.cat(losses)
 
 
 def ppl_schedules(run: TrainConfig, attention_last: int) -> Dict[str, ModeSchedule]:
@@ -86,11 +84,11 @@ def evaluate_ppl(model, run: TrainConfig, num_batches: int = 8, batch_size: int 
     (None when there are none)."""
     seq_len = run.data.seq_length
     attention_last = max(seq_len // 8, 1) if attention_last is None else attention_last
-    batches = heldout_batches(run, num_batches, batch_size)
     rows = []
     for name, schedule in ppl_schedules(run, attention_last).items():
-        loss, modes = token_losses(model, batches, schedule, run.train.seed)
-        attention = modes == Mode.ATTENTION
+        batches = heldout_batches(run, num_batches, batch_size, schedule)  # the same windows each time
+        loss = token_losses(model, batches)
+        attention = torch.cat([b["modes"] for b in batches]) == Mode.ATTENTION
         mean = float(loss.mean())
         rows.append(dict(schedule=name, loss=mean, perplexity=math.exp(mean),
                          attention_fraction=float(attention.float().mean()),

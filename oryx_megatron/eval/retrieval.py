@@ -1,4 +1,4 @@
-"""Retrieval accuracy (MQAR, needle in a haystack) under all-attention, all-linear and mixed mode.
+"""Retrieval accuracy (MQAR, needle in a haystack) under all_attention, all_linear and mixed mode.
 
 Teacher-forced: one parallel forward per batch of samples; the prediction of an answer token
 is the argmax of the logits (restricted to the tokenizer's vocab) at the position before it.
@@ -16,9 +16,10 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from oryx_megatron.data.modes import Mode, ModeSchedule, all_attention, all_linear
+from oryx_megatron.config import Mode
+from oryx_megatron.data.modes import ModeSchedule, all_attention, all_linear
+from oryx_megatron.data.tasks import mqar, niah
 from oryx_megatron.eval.ppl import dataset_vocab, heldout_batches
-from oryx_megatron.eval.tasks import mqar, niah
 from oryx_megatron.training.config import TrainConfig
 
 TASKS = ("mqar", "niah")
@@ -86,7 +87,7 @@ def evaluate_retrieval(model, run: TrainConfig, task: str, num_samples: int = 64
                        batch_size: int = 8, seed: int = 0, haystack: str = "heldout",
                        num_pairs: Optional[int] = None, num_queries: Optional[int] = None, num_needles: int = 1,
                        key_len: int = 2, value_len: int = 4) -> dict:
-    """Accuracy of ``task`` ("mqar" or "niah") under all-attention, all-linear and mixed mode
+    """Accuracy of ``task`` ("mqar" or "niah") under all_attention, all_linear and mixed mode
     (one row each); ``seq_len``, ``num_pairs`` and ``num_queries`` default to the checkpoint's
     data.seq_length, data.mqar_num_pairs and data.mqar_num_queries."""
     seq_len = seq_len or run.data.seq_length
@@ -99,7 +100,7 @@ def evaluate_retrieval(model, run: TrainConfig, task: str, num_samples: int = 64
     rows = [dict(schedule=name, **answer_accuracy(model, sample, schedule, vocab_size, batch_size))
             for name, schedule in schedules.items()]
     result = dict(task=task, num_samples=num_samples, seq_len=seq_len, seed=seed,
-                  mixed_schedule=f"linear_then_attention(n_last={mixed.n_last})", rows=rows)
+                  mixed_schedule=str(mixed), rows=rows)
     if task == "mqar":
         result.update(num_pairs=num_pairs, num_queries=num_queries or num_pairs)
     else:

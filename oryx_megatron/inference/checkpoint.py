@@ -4,12 +4,11 @@ from pathlib import Path
 from typing import Tuple
 
 import torch
-from megatron.core import dist_checkpointing
 from omegaconf import OmegaConf
 
 from oryx_megatron.models.builder import ModelArgs, build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
-from oryx_megatron.training.checkpointing import RUN_CONFIG, latest_checkpoint
+from oryx_megatron.training.checkpointing import RUN_CONFIG, latest_checkpoint, load_sharded
 from oryx_megatron.training.config import TrainConfig
 
 
@@ -32,6 +31,6 @@ def load_model(path: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.
     initialize_parallel(seed=run.train.seed)
     args: ModelArgs = run.model
     model = build_model(args, transformer_config(args, params_dtype=dtype, perform_initialization=False))
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+    state = load_sharded({"model": model.sharded_state_dict()}, ckpt)
     model.load_state_dict(state["model"])
     return model.to(dtype).eval(), run

@@ -6,6 +6,10 @@ position per step. A sequence still inside its prompt feeds its next prompt toke
 forcing; its logits are unused), the others feed their last sampled token. All caches stay
 at the same position, so no attention mask and no padding token enter the states.
 
+Two pieces: ``schedule_prompts`` lays the ragged prompts out with the mode of every position
+(``RaggedBatch``); ``generate`` prefills, then steps the batch, sampling for the sequences
+past their prompts (``_Sequences``).
+
 A sequence finishes on a stop token (kept as its last output token, reason "stop") or after
 ``max_new_tokens`` (reason "length"). Finished sequences keep stepping with the batch, their
 outputs frozen and their tokens left out of the stats, until every sequence is done.
@@ -23,7 +27,7 @@ import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
-from oryx_megatron.data.modes import Mode
+from oryx_megatron.config import Mode
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
 from oryx_megatron.inference.schedules import as_inference_schedule
 
@@ -58,6 +62,74 @@ class GenerationResult:
     logits: Optional[List[Tensor]] = None  # per prompt [len(tokens[i]), vocab]: the logits each token came from
 
 
+@dataclasses.dataclass
+class RaggedBatch:
+    """Prompts of different lengths laid out for lock-step decoding (see the module docstring)."""
+
+    tokens: Tensor  # [b, span + 1] long: each prompt, then room for its generated tokens
+    modes: Tensor  # [b, span] int8: the mode of every position ever fed; past its end a sequence repeats its last
+    lengths: List[int]  # prompt lengths
+    max_new_tokens: int
+
+    @property
+    def prefill_len(self) -> int:
+        """Positions every sequence has in its prompt: prefilled in one parallel forward."""
+        return min(self.lengths)
+
+
+def schedule_prompts(prompts: Sequence[Sequence[int]], schedule, max_new_tokens: int, vocab_limit: int,
+                     device: torch.device) -> RaggedBatch:
+    """Validate the prompts and lay them out with the schedule's mode of every position."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    schedule = as_inference_schedule(schedule)
+    lengths = [len(p) for p in prompts]
+    span = max(lengths) + max_new_tokens - 1  # positions ever fed
+    tokens = torch.zeros(len(prompts), span + 1, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        tokens[i, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+    bad = tokens[(tokens < 0) | (tokens >= vocab_limit)]
+    if bad.numel():
+        raise ValueError(f"a prompt holds id {int(bad[0])}, outside [0, vocab_size={vocab_limit})")
+    modes = np.stack([
+        np.pad(schedule.position_modes(n, n + max_new_tokens - 1), (0, span - n - max_new_tokens + 1), mode="edge")
+        for n in lengths
+    ])
+    return RaggedBatch(tokens.to(device), torch.from_numpy(modes).to(device), lengths, max_new_tokens)
+
+
+class _Sequences:
+    """What decoding has produced so far: each sequence's output tokens (and logits), and why it finished."""
+
+    def __init__(self, batch: RaggedBatch, sampler: Sampler, stop_token_ids: Sequence[int], output_logits: bool):
+        self.batch, self.sampler, self.stop = batch, sampler, set(stop_token_ids)
+        b = len(batch.lengths)
+        self.tokens: List[List[int]] = [[] for _ in range(b)]
+        self.logits: Optional[List[List[Tensor]]] = [[] for _ in range(b)] if output_logits else None
+        self.reasons: List[Optional[str]] = [None] * b
+
+    def live(self) -> List[bool]:
+        return [r is None for r in self.reasons]
+
+    def emit(self, pos: int, logits: Tensor) -> None:
+        """Sample position ``pos`` of every live sequence past its prompt from logits [b, V]."""
+        batch = self.batch
+        emit = [i for i, live in enumerate(self.live()) if live and pos >= batch.lengths[i]]
+        if not emit:
+            return
+        for i, token in zip(emit, self.sampler(logits[emit]).tolist()):
+            batch.tokens[i, pos] = token
+            self.tokens[i].append(token)
+            if self.logits is not None:
+                self.logits[i].append(logits[i].clone())
+            if token in self.stop:
+                self.reasons[i] = "stop"
+            elif len(self.tokens[i]) == batch.max_new_tokens:
+                self.reasons[i] = "length"
+
+
 def generate(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -79,35 +151,13 @@ def generate(
         raise TypeError(f"generate needs a model with an inference cache (OryxModel), got {type(model).__name__}")
     if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
         raise ValueError("generate needs the whole model on one pipeline stage (pipeline_model_parallel_size=1)")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token lists")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    schedule = as_inference_schedule(schedule)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    lengths = [len(p) for p in prompts]
-    b, t0, span = len(prompts), min(lengths), max(lengths) + max_new_tokens - 1  # span: positions ever fed
-
-    tokens = torch.zeros(b, span + 1, dtype=torch.long)  # prompt, then generated tokens
-    for i, prompt in enumerate(prompts):
-        tokens[i, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
     limit = vocab_size if vocab_size is not None else model.vocab_size  # the padded vocab
-    bad = tokens[(tokens < 0) | (tokens >= limit)]
-    if bad.numel():
-        raise ValueError(f"a prompt holds id {int(bad[0])}, outside [0, vocab_size={limit})")
-    modes = torch.from_numpy(np.stack([  # [b, span]; past its own end a sequence is finished
-        np.pad(schedule.modes(n, n + max_new_tokens - 1), (0, span - n - max_new_tokens + 1), mode="edge")
-        for n in lengths
-    ])).to(device)
-    tokens = tokens.to(device)
-
-    sampler = Sampler(sampling, vocab_size, device)
-    stop = set(stop_token_ids)
-    outputs: List[List[int]] = [[] for _ in range(b)]
-    out_logits: List[List[Tensor]] = [[] for _ in range(b)]
-    reasons: List[Optional[str]] = [None] * b
-    fed = torch.zeros(len(Mode), dtype=torch.long, device=device)
+    batch = schedule_prompts(prompts, schedule, max_new_tokens, limit, device)
+    sequences = _Sequences(batch, Sampler(sampling, vocab_size, device), stop_token_ids, output_logits)
+    b, t0 = len(batch.lengths), batch.prefill_len
+    fed = torch.zeros(len(Mode), dtype=torch.long, device=device)  # tokens fed by live sequences, by mode
 
     was_training = model.training
     model.eval()
@@ -115,45 +165,33 @@ def generate(
         with torch.no_grad():
             cache = model.allocate_inference_cache(b, dtype, device)
             start = time.perf_counter()
-            logits = _next_logits(model, tokens[:, :t0], modes[:, :t0], cache)  # [b, vocab]
-            fed += torch.bincount(modes[:, :t0].flatten().long(), minlength=len(Mode))
+            logits = _next_logits(model, batch.tokens[:, :t0], batch.modes[:, :t0], cache)  # [b, vocab]
+            fed += torch.bincount(batch.modes[:, :t0].flatten().long(), minlength=len(Mode))
             prefill_seconds, start = _elapsed(start, device), time.perf_counter()
             pos = t0  # the position predicted by `logits`
             while True:
-                emit = [i for i in range(b) if reasons[i] is None and pos >= lengths[i]]
-                if emit:
-                    new = sampler(logits[emit]).tolist()
-                    for row, i in enumerate(emit):
-                        tokens[i, pos] = new[row]
-                        outputs[i].append(new[row])
-                        if output_logits:
-                            out_logits[i].append(logits[i].clone())
-                        if new[row] in stop:
-                            reasons[i] = "stop"
-                        elif len(outputs[i]) == max_new_tokens:
-                            reasons[i] = "length"
-                live = torch.tensor([r is None for r in reasons], device=device)
+                sequences.emit(pos, logits)
+                live = torch.tensor(sequences.live(), device=device)
                 if not live.any():
                     break
-                logits = _next_logits(model, tokens[:, pos : pos + 1], modes[:, pos : pos + 1], cache)
-                fed += torch.bincount(modes[live, pos].long(), minlength=len(Mode))
+                logits = _next_logits(model, batch.tokens[:, pos : pos + 1], batch.modes[:, pos : pos + 1], cache)
+                fed += torch.bincount(batch.modes[live, pos].long(), minlength=len(Mode))
                 pos += 1
             decode_seconds = _elapsed(start, device)
     finally:
         model.train(was_training)
 
     counts = {m.name.lower(): int(n) for m, n in zip(Mode, fed.tolist())}
-    cache_bytes = {key: sum(c.nbytes()[key] for c in cache) for key in ("kv", "recurrent", "conv")}
     stats = GenerationStats(
         tokens_per_mode=counts,
         prefill_tokens=b * t0,
         prefill_seconds=prefill_seconds,
         decode_tokens=sum(counts.values()) - b * t0,
         decode_seconds=decode_seconds,
-        cache_bytes=cache_bytes,
+        cache_bytes={key: sum(c.nbytes()[key] for c in cache) for key in ("kv", "recurrent", "conv")},
     )
-    logits_out = [torch.stack(rows) for rows in out_logits] if output_logits else None
-    return GenerationResult(outputs, reasons, stats, logits_out)
+    logits_out = [torch.stack(rows) for rows in sequences.logits] if output_logits else None
+    return GenerationResult(sequences.tokens, sequences.reasons, stats, logits_out)
 
 
 def _next_logits(model, ids: Tensor, modes: Tensor, cache) -> Tensor:

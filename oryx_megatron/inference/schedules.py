@@ -1,19 +1,24 @@
 """Inference mode schedules: the mode of every position of a prompt and its continuation.
 
-For one sequence a schedule gives int8 modes [total_len] for the positions fed to the model:
-the prompt [0, prompt_len), then the generated tokens [prompt_len, total_len), where
-``total_len = prompt_len + max_new_tokens - 1`` (the last generated token is never fed).
-Token t reads with mode t, and that read predicts token t + 1: the first generated token
-comes from the read of the last prompt token.
+For one sequence a schedule's ``position_modes(prompt_len, total_len)`` gives int8 modes
+[total_len] for the positions fed to the model: the prompt [0, prompt_len), then the generated
+tokens [prompt_len, total_len), where ``total_len = prompt_len + max_new_tokens - 1`` (the last
+generated token is never fed). Token t reads with mode t, and that read predicts token t + 1:
+the first generated token comes from the read of the last prompt token.
 
-- ``PhaseSchedule(prefill, decode)``: one mode for the prompt, one for the generated tokens;
-  ``all-attention``, ``all-linear`` and ``prefill=linear decode=attention``;
+The schedules of training (``data.modes``) keep their names and fields here; only inference adds
+forms tied to the prompt or to absolute positions:
+
+- ``PositionSchedule(schedule)``: a data-layer ``ModeSchedule`` applied to positions
+  [0, total_len): ``all_attention``, ``all_linear``, ``linear_then_attention n_last=16``,
+  ``switch_at t=100 before=linear after=attention``, ``explicit chunk_modes=[0,1] chunk_size=64``, ...
+  (the text form of ``data.modes.build_mode_schedule``);
+- ``PhaseSchedule(prefill, decode)``: one mode for the prompt, one for the generated tokens,
+  ``prefill=linear decode=attention``;
 - ``SpanSchedule``: explicit absolute spans, ``linear:0-100,attention:100-`` (the last span
-  may be open-ended);
-- ``PositionSchedule(schedule)``: a data-layer ``ModeSchedule`` (``switch_at``,
-  ``linear_then_attention``, ``explicit``, ...) applied to positions [0, total_len).
+  may be open-ended).
 
-``parse_schedule(text)`` reads the CLI forms; ``as_inference_schedule`` accepts all of them.
+``parse_schedule(text)`` reads these forms; ``as_inference_schedule`` accepts all of them.
 """
 
 import dataclasses
@@ -22,18 +27,19 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from oryx_megatron.data.modes import Mode, ModeSchedule, parse_mode
+from oryx_megatron.config import Mode
+from oryx_megatron.data.modes import SCHEDULES, AllAttention, AllLinear, ModeSchedule, build_mode_schedule, parse_mode
 
 FORMS = (
-    "expected 'all-attention', 'all-linear', 'prefill=MODE decode=MODE', "
-    "or spans 'MODE:START-END,...,MODE:START-'"
+    f"expected a schedule name ({', '.join(SCHEDULES)}) with its fields as FIELD=VALUE "
+    "('linear_then_attention n_last=16'), 'prefill=MODE decode=MODE', or spans 'MODE:START-END,...,MODE:START-'"
 )
 
 
 class InferenceSchedule:
     """Base class of the schedules above."""
 
-    def modes(self, prompt_len: int, total_len: int) -> np.ndarray:
+    def position_modes(self, prompt_len: int, total_len: int) -> np.ndarray:
         """int8 [total_len]: the mode of each position fed for a prompt of ``prompt_len`` tokens."""
         raise NotImplementedError
 
@@ -49,7 +55,7 @@ class PhaseSchedule(InferenceSchedule):
         object.__setattr__(self, "prefill", parse_mode(self.prefill, "PhaseSchedule.prefill"))
         object.__setattr__(self, "decode", parse_mode(self.decode, "PhaseSchedule.decode"))
 
-    def modes(self, prompt_len, total_len):
+    def position_modes(self, prompt_len, total_len):
         return np.where(np.arange(total_len) < prompt_len, self.prefill, self.decode).astype(np.int8)
 
     def __str__(self):
@@ -91,7 +97,7 @@ class SpanSchedule(InferenceSchedule):
                 raise ValueError(f"{where} is empty (end <= start)")
             expected = span.end
 
-    def modes(self, prompt_len, total_len):
+    def position_modes(self, prompt_len, total_len):
         end = self.spans[-1].end
         if end is not None and total_len > end:
             raise ValueError(
@@ -113,23 +119,22 @@ class PositionSchedule(InferenceSchedule):
 
     schedule: ModeSchedule
 
-    def modes(self, prompt_len, total_len):
-        return self.schedule.modes(total_len)
+    def position_modes(self, prompt_len, total_len):
+        return self.schedule.sample_modes(total_len)
+
+    def __str__(self):
+        return str(self.schedule)
 
 
-ALL_ATTENTION = PhaseSchedule(Mode.ATTENTION, Mode.ATTENTION)
-ALL_LINEAR = PhaseSchedule(Mode.LINEAR, Mode.LINEAR)
+ALL_ATTENTION = PositionSchedule(AllAttention())
+ALL_LINEAR = PositionSchedule(AllLinear())
 LINEAR_PREFILL = PhaseSchedule(Mode.LINEAR, Mode.ATTENTION)  # prefill=linear decode=attention
-NAMED = {"all-attention": ALL_ATTENTION, "attention": ALL_ATTENTION, "all-linear": ALL_LINEAR, "linear": ALL_LINEAR}
 
 _SPAN = re.compile(r"^(\w+):(\d+)-(\d*)$")
 
 
 def parse_schedule(text: str) -> InferenceSchedule:
-    """A schedule from its CLI form (see FORMS); errors name the part that cannot be read."""
-    name = text.strip().lower().replace("_", "-")
-    if name in NAMED:
-        return NAMED[name]
+    """A schedule from its text form (see FORMS); errors name the part that cannot be read."""
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
     if not parts:
         raise ValueError(f"inference schedule {text!r} is empty; {FORMS}")
@@ -137,7 +142,12 @@ def parse_schedule(text: str) -> InferenceSchedule:
         return _parse_phases(text, parts)
     if ":" in parts[0]:
         return SpanSchedule(tuple(_parse_span(text, p) for p in parts))
-    raise ValueError(f"inference schedule {text!r}: cannot read {parts[0]!r}; {FORMS}")
+    if parts[0] not in SCHEDULES:
+        raise ValueError(f"inference schedule {text!r}: unknown schedule {parts[0]!r}; {FORMS}")
+    try:
+        return PositionSchedule(build_mode_schedule(text))
+    except ValueError as e:
+        raise ValueError(f"inference schedule {text!r}: {e}") from None
 
 
 def _parse_phases(text: str, parts) -> PhaseSchedule:

@@ -23,7 +23,7 @@ def _layer_spec(norm, column_linear, row_linear, core_attention) -> ModuleSpec:
             mixer=ModuleSpec(
                 module=MultiMixer,
                 submodules=MultiMixerSubmodules(
-                    linear_in=column_linear, core_attention=core_attention, linear_out=row_linear
+                    in_proj=column_linear, core_attention=core_attention, out_proj=row_linear
                 ),
             ),
             pre_mlp_layernorm=norm,

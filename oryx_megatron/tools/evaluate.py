@@ -17,7 +17,7 @@ from typing import List, Optional
 from oryx_megatron.eval.mode_switch import evaluate_mode_switch
 from oryx_megatron.eval.ppl import evaluate_ppl
 from oryx_megatron.eval.retrieval import evaluate_retrieval
-from oryx_megatron.tools.generate import add_model_arguments, load_checkpoint
+from oryx_megatron.tools.loading import add_model_arguments, load_checkpoint
 
 TASKS = ("ppl", "mode_switch", "mqar", "niah")
 

@@ -14,36 +14,10 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-import torch
-
 from data_prep import PrepError
-from data_prep.tokenizer import EOD_TOKEN, AnyTokenizer, load_tokenizer
-from oryx_megatron.data.loader import parse_blend
-from oryx_megatron.data.shards import Manifest
-from oryx_megatron.inference import GenerationStats, SamplingParams, generate, parse_schedule
-from oryx_megatron.inference.checkpoint import load_model, resolve_checkpoint
-from oryx_megatron.training.config import TrainConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """CHECKPOINT, --device and --dtype (shared with oryx-eval)."""
-    parser.add_argument("checkpoint", help="a checkpoint dir (iter_NNNNNNN) or a run's checkpoint.dir (uses 'latest')")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-
-
-def load_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """(model on args.device, run config); a bad checkpoint path is a parser error naming it."""
-    if not Path(args.checkpoint).is_dir():
-        parser.error(f"checkpoint {args.checkpoint}: no such directory")
-    try:
-        resolve_checkpoint(args.checkpoint)
-    except FileNotFoundError as e:
-        parser.error(f"checkpoint {e}")
-    model, run = load_model(args.checkpoint, DTYPES[args.dtype])
-    return model.to(args.device), run
+from data_prep.tokenizer import AnyTokenizer
+from oryx_megatron.inference import ALL_ATTENTION, GenerationStats, SamplingParams, generate, parse_schedule
+from oryx_megatron.tools.loading import add_model_arguments, dataset_tokenizer, load_checkpoint
 
 
 def schedule_arg(text: str):
@@ -52,18 +26,6 @@ def schedule_arg(text: str):
         return parse_schedule(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def dataset_tokenizer(run: TrainConfig, spec: Optional[str]) -> AnyTokenizer:
-    """``spec`` ("byte" or a tokenizer.json), else the tokenizer recorded in the dataset's manifest."""
-    if spec is None:
-        if run.data.format == "indexed":
-            raise ValueError("the checkpoint's dataset is a Megatron indexed dataset (no manifest): pass --tokenizer")
-        manifest = Manifest.read(parse_blend(run.data.data_path)[0][0])
-        info = manifest.tokenizer
-        spec = "byte" if info["kind"] == "byte" else str(manifest.root / info["file"])
-        return load_tokenizer(spec, info.get("eod_token") or EOD_TOKEN)
-    return load_tokenizer(spec)
 
 
 def stop_ids(tokenizer: AnyTokenizer, texts: List[str]) -> List[int]:
@@ -109,9 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", nargs="+", help="one or more prompts")
     prompts.add_argument("--prompt-file", help="a text file, one prompt per non-empty line")
-    parser.add_argument("--schedule", type=schedule_arg, default=parse_schedule("all-attention"),
-                        help="'all-attention', 'all-linear', 'prefill=MODE decode=MODE' or spans "
-                             "'MODE:START-END,...,MODE:START-' (default all-attention)")
+    parser.add_argument("--schedule", type=schedule_arg, default=ALL_ATTENTION,
+                        help="a mode schedule by name and fields, as in configs ('all_attention', 'all_linear', "
+                             "'linear_then_attention n_last=16', 'switch_at t=64 before=linear after=attention', "
+                             "...), 'prefill=MODE decode=MODE', or spans 'MODE:START-END,...,MODE:START-' "
+                             "(default all_attention; see docs/inference.md)"),
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0: off")

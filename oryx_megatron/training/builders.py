@@ -36,14 +36,16 @@ def model_config(run: TrainConfig):
     return transformer_config(run.model, **fields)
 
 
-def build_model_chunks(run: TrainConfig, config) -> List[DistributedDataParallel]:
-    """This rank's model chunks (one, or one per virtual pipeline stage) in megatron DDP."""
+def build_model_chunks(run: TrainConfig, config, device: torch.device) -> List[DistributedDataParallel]:
+    """This rank's model chunks (one, or one per virtual pipeline stage), each built (on the CPU
+    generator: the same weights at any layout), moved to ``device``, then wrapped in megatron DDP."""
     vp_size = run.parallel.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vp_size):
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        chunks.append(build_model(run.model, config, pre_process=pre, post_process=post, vp_stage=vp_stage))
+        chunk = build_model(run.model, config, pre_process=pre, post_process=post, vp_stage=vp_stage)
+        chunks.append(chunk.to(device))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=run.parallel.overlap_grad_reduce,

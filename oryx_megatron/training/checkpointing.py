@@ -8,20 +8,32 @@ Layout of ``checkpoint.dir``::
 
 A checkpoint saved at one TP/PP layout loads at another (the model and optimizer are
 sharded tensors); the RNG states are restored only at the layout they were saved at.
+Checkpoints written before a parameter was renamed load too (``load_sharded``).
 """
 
 import os
+import re
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 LATEST = "latest"
 RUN_CONFIG = "run_config.yaml"
+
+# Sharded keys renamed since checkpoints were written: (new spelling, old spelling), in order.
+# Optimizer states are keyed by their parameter's key, so they follow.
+RENAMED_KEYS = (
+    (re.compile(r"\bin_proj\."), "linear_in."),  # MultiMixer's fused projections
+    (re.compile(r"\bout_proj\."), "linear_out."),
+    (re.compile(r"\blinear_mixer\."), ""),  # A_log, dt_bias, D: were MultiMixer's own
+)
 
 
 def iteration_dir(ckpt_dir: str, iteration: int) -> Path:
@@ -36,6 +48,24 @@ def latest_checkpoint(ckpt_dir: Optional[str]) -> Optional[Path]:
     if not path.is_dir():
         raise FileNotFoundError(f"{Path(ckpt_dir) / LATEST} points to {path}, which does not exist")
     return path
+
+
+def old_key(key: str) -> str:
+    """The spelling of a sharded key before the renames of RENAMED_KEYS."""
+    for new, old in RENAMED_KEYS:
+        key = new.sub(old, key)
+    return key
+
+
+def load_sharded(sharded_state: dict, path: Path) -> dict:
+    """``dist_checkpointing.load``, also of a checkpoint written before a key was renamed: an
+    entry the checkpoint lacks is read from its old spelling. The loaded state keeps the
+    current names (it is keyed like ``sharded_state``)."""
+    saved = {entry.key for entry in load_sharded_metadata(str(path)).values()}
+    for entry in nested_values(sharded_state):
+        if isinstance(entry, ShardedBase) and entry.key not in saved and old_key(entry.key) in saved:
+            entry.key = old_key(entry.key)
+    return dist_checkpointing.load(sharded_state, str(path))
 
 
 def _layout() -> List[int]:
@@ -101,9 +131,7 @@ def load_checkpoint(path: Path, model_chunks, optimizer, scheduler, loader) -> i
     """Restore everything saved at `path`; returns the iteration to continue from."""
     common = dist_checkpointing.load_common_state_dict(str(path))
     same_layout = common["layout"] == _layout()
-    state = dist_checkpointing.load(
-        _sharded_state(model_chunks, optimizer, is_loading=True, with_rng=same_layout), str(path)
-    )
+    state = load_sharded(_sharded_state(model_chunks, optimizer, is_loading=True, with_rng=same_layout), path)
     for i, chunk in enumerate(model_chunks):
         chunk.module.load_state_dict(state["model" if len(model_chunks) == 1 else f"model{i}"])
     optimizer.load_state_dict(state["optimizer"])

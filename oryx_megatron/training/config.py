@@ -12,6 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from oryx_megatron.data.tasks.mqar import MQARConfig
 from oryx_megatron.models.builder import ModelArgs
 
 
@@ -193,11 +194,9 @@ def train_iters(run: TrainConfig) -> int:
     return max(1, t.train_tokens // (t.global_batch_size * run.data.seq_length))
 
 
-def mqar_task(run: TrainConfig, seed: int = 0):
+def mqar_task(run: TrainConfig, seed: int = 0) -> MQARConfig:
     """The MQARConfig of a ``data.format=mqar`` run: ids from [0, data.mqar_vocab_size or
     model.vocab_size); raises ValueError on sizes that do not fit."""
-    from oryx_megatron.eval.tasks.mqar import MQARConfig
-
     d = run.data
     return MQARConfig(d.mqar_vocab_size or run.model.vocab_size, d.seq_length, d.mqar_num_pairs, d.mqar_num_queries,
                       seed=seed, filler_id=d.mqar_filler_id)

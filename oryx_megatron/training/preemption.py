@@ -5,6 +5,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from oryx_megatron.parallel import current_device
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -20,14 +22,10 @@ class PreemptionHandler:
 
     def should_stop(self) -> bool:
         """True on every rank once any rank has received a signal (a collective call)."""
-        flag = torch.tensor([int(self.received is not None)], device=_device())
+        flag = torch.tensor([int(self.received is not None)], device=current_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _device():
-    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"

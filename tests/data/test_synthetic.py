@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from oryx_megatron.data.modes import random_chunks
 from oryx_megatron.data.synthetic import MQARLoader
-from oryx_megatron.eval.tasks.mqar import solve_mqar
+from oryx_megatron.data.tasks.mqar import solve_mqar
 from oryx_megatron import RECIPES_DIR
 from oryx_megatron.train import pretrain
 from oryx_megatron.training.config import ConfigError, load_train_config

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from oryx_megatron.data.modes import Mode
+from oryx_megatron.config import Mode
 from oryx_megatron.layers.multi_mixer import MultiMixer
 from oryx_megatron.models.builder import ModelArgs, transformer_config
 from oryx_megatron.models.specs import get_oryx_layer_local_spec

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from oryx_megatron.data.modes import LinearThenAttention
-from oryx_megatron.eval.tasks import check_int, next_token_sample, resolve_id_range
+from oryx_megatron.data.tasks import check_int, key_value_ranges, next_token_sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +64,7 @@ class MQARConfig:
     @property
     def key_value_ranges(self) -> Tuple[Tuple[int, int], Tuple[int, int]]:
         """([low, high) of the keys, [low, high) of the values): the halves of id_range."""
-        low, high = resolve_id_range(self.id_range, 0, self.vocab_size, "MQARConfig.id_range")
-        mid = low + (high - low) // 2
-        return (low, mid), (mid, mid + (high - low) // 2)
+        return key_value_ranges(self.id_range, 0, self.vocab_size, "MQARConfig.id_range")
 
     @property
     def query_start(self) -> int:
@@ -75,7 +73,7 @@ class MQARConfig:
 
 
 def generate_mqar(cfg: MQARConfig, n_samples: int) -> Dict[str, np.ndarray]:
-    """The sample dict of ``eval.tasks`` (A = Q = num_queries; answer_mask at the query keys)."""
+    """The sample dict of ``data.tasks`` (A = Q = num_queries; answer_mask at the query keys)."""
     check_int(n_samples, 1, "n_samples")
     rng = np.random.default_rng(cfg.seed)
     (key_low, key_high), (value_low, value_high) = cfg.key_value_ranges

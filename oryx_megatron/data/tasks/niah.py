@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from oryx_megatron.data.modes import LinearThenAttention
-from oryx_megatron.eval.tasks import check_int, next_token_sample, resolve_id_range
+from oryx_megatron.data.tasks import check_int, key_value_ranges, next_token_sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +68,7 @@ class NIAHConfig:
     @property
     def key_value_ranges(self) -> Tuple[Tuple[int, int], Tuple[int, int]]:
         """([low, high) of the key ids, [low, high) of the value ids): the halves of id_range."""
-        low, high = resolve_id_range(self.id_range, 1, self.vocab_size, "NIAHConfig.id_range")
-        mid = low + (high - low) // 2
-        return (low, mid), (mid, mid + (high - low) // 2)
+        return key_value_ranges(self.id_range, 1, self.vocab_size, "NIAHConfig.id_range")
 
     @property
     def prompt_len(self) -> int:
@@ -84,7 +82,7 @@ class NIAHConfig:
 
 
 def generate_niah(haystack_tokens: Optional[np.ndarray], cfg: NIAHConfig, n_samples: int) -> Dict[str, np.ndarray]:
-    """The sample dict of ``eval.tasks`` (A = value_len, Q = 1: the question's marker), plus
+    """The sample dict of ``data.tasks`` (A = value_len, Q = 1: the question's marker), plus
     needle_positions [n, num_needles] (marker positions), target [n] (the needle asked) and
     prompt_len (int)."""
     check_int(n_samples, 1, "n_samples")

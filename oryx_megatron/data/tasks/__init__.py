@@ -1,7 +1,8 @@
 """Synthetic retrieval tasks: Zoology-style MQAR (``mqar``) and needle in a haystack (``niah``).
 
-Each generator is a pure numpy function of its config (seed included) and the number of
-samples. It builds sequences of seq_len + 1 tokens and returns them laid out like a
+Data, not evaluation: ``data.synthetic`` trains on MQAR samples, ``eval.retrieval`` scores
+both tasks. Each generator is a pure numpy function of its config (seed included) and the
+number of samples. It builds sequences of seq_len + 1 tokens and returns them laid out like a
 training batch (dict of int64 / bool arrays):
 
     inputs           [n, seq_len]  the tokens fed to the model
@@ -21,17 +22,20 @@ import numpy as np
 
 from oryx_megatron.data.modes import check_int
 
-__all__ = ["check_int", "next_token_sample", "resolve_id_range"]
+__all__ = ["check_int", "key_value_ranges", "next_token_sample"]
 
 
-def resolve_id_range(id_range: Optional[Tuple[int, int]], default_low: int, vocab_size: int, where: str) -> Tuple[int, int]:
-    """(low, high) of the ids keys and values are drawn from: [default_low, vocab_size) when unset."""
+def key_value_ranges(id_range: Optional[Tuple[int, int]], default_low: int, vocab_size: int,
+                     where: str) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """([low, high) of the keys, [low, high) of the values): the lower and upper halves of
+    ``id_range``, which is [default_low, vocab_size) when unset."""
     low, high = (default_low, vocab_size) if id_range is None else id_range
     if not 0 <= low < high <= vocab_size or high - low < 2:
         raise ValueError(
             f"{where}={id_range!r} must be (low, high) with 0 <= low, low + 2 <= high <= vocab_size={vocab_size}"
         )
-    return int(low), int(high)
+    mid = int(low) + (int(high) - int(low)) // 2
+    return (int(low), mid), (mid, mid + (int(high) - int(low)) // 2)
 
 
 def next_token_sample(seq: np.ndarray, answer_at: np.ndarray, query_positions: np.ndarray, **extra) -> Dict[str, np.ndarray]:

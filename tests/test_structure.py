@@ -1,0 +1,120 @@
+"""The code's structure: imports run downward only, and parallel set-ups release what they open."""
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What each part of the library may import (besides itself and third-party packages):
+# ops <- layers <- models <- {training, inference} <- eval <- tools; data depends on nothing above it.
+FOUNDATION = {"config", "compat", "launch", "parallel"}
+ALLOWED = {
+    "ops": set(),
+    "config": set(),
+    "compat": set(),
+    "launch": set(),
+    "parallel": {"compat", "launch"},
+    "data": {"config"},
+    "layers": {"ops", "config"},
+    "models": {"layers", "ops", "config"},
+    "training": {"models", "layers", "ops", "data"} | FOUNDATION,
+    "train": {"training", "models", "layers", "ops", "data"} | FOUNDATION,
+    "inference": {"training", "models", "layers", "ops", "data"} | FOUNDATION,
+    "eval": {"inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
+    "tools": {"eval", "inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
+}
+
+
+def _part(module: str) -> str:
+    """'oryx_megatron.data.loader' -> 'data'; 'data_prep.cli' -> 'data_prep'."""
+    parts = module.split(".")
+    return parts[0] if parts[0] == "data_prep" else (parts[1] if len(parts) > 1 else "")
+
+
+def _imports(path: Path, package: str):
+    """(line, imported module) for every import in a file of ``package``, function-level ones included."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            yield node.lineno, ".".join(base + ([node.module] if node.module else []))
+
+
+def upward_imports(root: Path = ROOT):
+    """'file:line imports module' for each import under root that runs up the layers."""
+    found = []
+    for path in sorted((root / "oryx_megatron").rglob("*.py")) + sorted((root / "data_prep").rglob("*.py")):
+        rel = path.relative_to(root)
+        package = ".".join(rel.parts[:-1])  # the package the file belongs to
+        source = _part(rel.with_suffix("").as_posix().replace("/", "."))
+        for line, module in _imports(path, package):
+            if module is None or not module.startswith(("oryx_megatron", "data_prep")):
+                continue
+            target = _part(module)
+            if source == "data_prep":
+                ok = target in ("data_prep", "data")  # the manifest format is shared with data
+            elif target == "data_prep":
+                ok = source in ("tools",)
+            else:
+                ok = target in ("", source) or target in ALLOWED.get(source, set())
+            if not ok:
+                found.append(f"{rel}:{line} imports {module}")
+    return found
+
+
+def test_imports_run_downward_only():
+    assert upward_imports() == []
+
+
+def test_the_import_check_sees_upward_imports(tmp_path):
+    files = {
+        "oryx_megatron/data/probe.py": "import torch\ndef f():\n    from oryx_megatron.eval import ppl\n",
+        "oryx_megatron/layers/probe.py": "from ..models import builder\nfrom ..ops import conv\n",
+        "oryx_megatron/models/probe.py": "from oryx_megatron.layers import norms\n",
+        "data_prep/probe.py": "from oryx_megatron.training import config\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert upward_imports(tmp_path) == [
+        "oryx_megatron/data/probe.py:3 imports oryx_megatron.eval",
+        "oryx_megatron/layers/probe.py:1 imports oryx_megatron.models",
+        "data_prep/probe.py:1 imports oryx_megatron.training",
+    ]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _repeated_set_ups(layouts):
+    """Thread counts after each set-up of the given TP sizes."""
+    from oryx_megatron.parallel import initialize_parallel
+
+    counts = []
+    for seed, tp in enumerate(layouts):
+        initialize_parallel(tensor_model_parallel_size=tp, seed=seed)
+        counts.append(_threads())
+    return counts
+
+
+def _alternating_layouts_release_threads():
+    counts = _repeated_set_ups([1, 2, 1, 2, 1, 2])
+    assert counts[-1] <= counts[1] + 4, f"threads after each set-up: {counts}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads through /proc")
+def test_repeated_set_ups_in_one_process_add_no_threads(single_process_parallel):
+    counts = _repeated_set_ups([1] * 6)
+    assert counts[-1] <= counts[0] + 4, f"threads after each set-up: {counts}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads through /proc")
+def test_changing_layouts_destroys_the_old_groups():
+    run_distributed(_alternating_layouts_release_threads)
