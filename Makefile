@@ -39,5 +39,10 @@ EXPERIMENTS := e1_retrieval e2_lm e3_mode_switch a1_shared_query a2_sequence_mix
 experiments: venv data/stdlib/manifest.json
 	for e in $(EXPERIMENTS); do $(VENV)/bin/oryx-experiment $$e || exit 1; done
 
+# The GPU check (docs/gpu.md): kernels, model, training, performance -> runs/gpu_check/report.{json,md}.
+# Without CUDA a CPU dry run. Extra flags: make gpu-check ARGS="--toy --out /tmp/gc"; bare GPU machine: PY=python3.
+gpu-check:
+	$(PY) -m oryx_megatron.tools.gpu_check $(ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

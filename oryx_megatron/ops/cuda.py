@@ -2,45 +2,19 @@
 rule), mamba-ssm (SSD), causal-conv1d (short conv) and torch SDPA (attention; torch picks the
 flash backend on CUDA).
 
-The libraries are imported inside the functions, so this module imports anywhere. Inputs a kernel
-does not take (CPU tensors, fp64; fp32 for fla's chunked kernel) run the torch op instead, so the
+The libraries are imported inside the functions, so this module imports anywhere; which kernels may
+run here is decided by ``selection``. Inputs a kernel does not take (CPU tensors, fp64; fp32 for fla's chunked kernel) run the torch op instead, so the
 numbers never depend on where a tensor happens to live.
 """
 
-import importlib
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
 from . import conv, gated_delta_rule, ssd
 from .attention import causal_attention  # noqa: F401  (same SDPA call on every device)
 
-# op -> (implementation name, modules its kernel imports)
-IMPLEMENTATIONS = {
-    "causal_conv1d": ("causal_conv1d", ("causal_conv1d",)),
-    "causal_conv1d_step": ("causal_conv1d", ("causal_conv1d",)),
-    "chunk_gated_delta_rule": ("fla", ("fla.ops.gated_delta_rule",)),
-    "gated_delta_rule_step": ("fla", ("fla.ops.gated_delta_rule",)),
-    "ssd_chunk_scan": ("mamba_ssm", ("mamba_ssm.ops.triton.ssd_combined",)),
-    "ssd_step": ("mamba_ssm", ("mamba_ssm.ops.triton.selective_state_update",)),
-    "causal_attention": ("sdpa", ()),
-}
-PIP_PACKAGES = {"causal_conv1d": "causal-conv1d", "fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm"}
-
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def unavailable(op: str) -> Optional[str]:
-    """Why the CUDA implementation of `op` cannot run here, or None when it can."""
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    name, modules = IMPLEMENTATIONS[op]
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # a broken triton / CUDA build raises more than ImportError
-            return f"cannot import {module} (pip install {PIP_PACKAGES[name]}): {e!r}"
-    return None
 
 
 def _kernel_takes(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _KERNEL_DTYPES) -> bool:
@@ -135,15 +109,17 @@ def ssd_step(x, dt, A, B, C, state, D=None):
         return ssd.ssd_step(x, dt, A, B, C, state, D)
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
 
-    p, n = x.shape[-1], B.shape[-1]
+    h, p, n = x.shape[1], x.shape[-1], B.shape[-1]
     new_state = state.transpose(-1, -2).clone(memory_format=torch.contiguous_format)  # [b, h, p, n], in place
     y = selective_state_update(
         new_state,
         x,  # [b, h, p]
-        dt[..., None].expand(-1, -1, p),  # [b, h, p]
+        dt[..., None].expand(-1, -1, p),  # [b, h, p], already softplus-ed
         A[:, None, None].expand(-1, p, n),  # [h, p, n]
         B,  # [b, h, n]  (ngroups = nheads)
         C,
         D=None if D is None else D[:, None].expand(-1, p),  # [h, p]
+        dt_bias=dt.new_zeros(h, p),  # mamba-ssm 2.3.2 reads dt_bias.stride() even when it is None
+        dt_softplus=False,
     )  # [b, h, p]
     return y, new_state.transpose(-1, -2)

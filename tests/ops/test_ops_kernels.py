@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from oryx_megatron import ops
-from oryx_megatron.ops import BACKEND_ENV_VAR, Kernels, cuda, get_kernels
+from oryx_megatron.ops import BACKEND_ENV_VAR, Kernels, cuda, get_kernels, selection
+from oryx_megatron.ops.selection import KernelEnvironment
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 
@@ -45,7 +46,7 @@ def test_cuda_backend_without_cuda_raises_clearly():
     with pytest.raises(RuntimeError, match="CUDA is not available") as info:
         get_kernels("cuda")
     assert "chunk_gated_delta_rule" in str(info.value)
-    assert cuda.unavailable("ssd_chunk_scan") == "CUDA is not available"
+    assert selection.refusal("ssd_chunk_scan", KernelEnvironment.detect()) == "CUDA is not available"
 
 
 def test_kernels_is_frozen_and_complete():
@@ -76,3 +77,90 @@ def test_cuda_wrappers_fall_back_to_torch_on_cpu_tensors():
         got, want = getattr(cuda, op)(*args), getattr(ops, op)(*args)
         for a, b_ in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want))):
             assert torch.equal(a, b_), op
+
+
+# ---- selection with the conditions injected (nothing here runs a CUDA kernel) ----
+
+GOOD = (("triton", "3.7.1"), ("fla-core", "0.6.0"), ("mamba-ssm", "2.3.2.post1"), ("causal-conv1d", "1.5.2"))
+
+
+def hopper(*versions, nvcc=False, capability=(9, 0)) -> KernelEnvironment:
+    return KernelEnvironment(cuda=True, capability=capability, versions=tuple(versions), nvcc=nvcc)
+
+
+def with_version(dist: str, version: str):
+    return tuple((d, version if d == dist else v) for d, v in GOOD)
+
+
+def passing_probe(op):
+    return None
+
+
+def test_a_complete_environment_refuses_nothing():
+    assert {op: selection.refusal(op, hopper(*GOOD)) for op in ops.OPS} == dict.fromkeys(ops.OPS)
+
+
+@pytest.mark.parametrize("triton", ["3.4.0", "3.6.0", "3.7.0"])
+def test_fla_backward_refused_on_hopper_with_the_triton_of_fla_issue_640(triton):
+    env = hopper(*with_version("triton", triton))
+    reason = selection.refusal("chunk_gated_delta_rule", env)
+    assert f"Triton {triton} on a Hopper GPU (sm90)" in reason and "fla issue 640" in reason
+    assert selection.refusal("gated_delta_rule_step", env) is None  # the decode kernel has no backward
+    assert selection.refusal("chunk_gated_delta_rule", hopper(*with_version("triton", triton), ("tilelang", "0.1.9"),
+                                                               nvcc=True)) is None
+    assert "fla issue 640" in selection.refusal(  # tilelang needs nvcc
+        "chunk_gated_delta_rule", hopper(*with_version("triton", triton), ("tilelang", "0.1.9")))
+    assert selection.refusal("chunk_gated_delta_rule", hopper(*with_version("triton", triton), capability=(8, 0))) is None
+
+
+def test_missing_and_old_packages_are_named():
+    env = hopper(*[(d, v) for d, v in GOOD if d != "mamba-ssm"])
+    assert selection.refusal("ssd_step", env) == "mamba-ssm is not installed (pip install 'mamba-ssm>=2.2.0')"
+    old = hopper(*with_version("fla-core", "0.4.2"))
+    assert selection.refusal("chunk_gated_delta_rule", old) == (
+        "fla-core 0.4.2 is older than 0.6.0, the oldest version this project supports")
+    legacy = hopper(*[(d, v) for d, v in GOOD if d != "fla-core"], ("flash-linear-attention", "0.3.0"))
+    assert "fla-core 0.3.0 is older" in selection.refusal("chunk_gated_delta_rule", legacy)
+
+
+def test_auto_falls_back_per_op_and_logs_why(caplog, monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    env = hopper(*with_version("triton", "3.6.0"))
+    with caplog.at_level("WARNING", logger="oryx_megatron.ops"):
+        kernels = get_kernels("auto", env=env, probe=passing_probe)
+    assert kernels.names == {"causal_conv1d": "causal_conv1d", "causal_conv1d_step": "causal_conv1d",
+                             "chunk_gated_delta_rule": "torch", "gated_delta_rule_step": "fla",
+                             "ssd_chunk_scan": "mamba_ssm", "ssd_step": "mamba_ssm", "causal_attention": "sdpa"}
+    assert kernels.chunk_gated_delta_rule is ops.chunk_gated_delta_rule and kernels.ssd_step is cuda.ssd_step
+    assert "chunk_gated_delta_rule: the torch op runs instead of the CUDA kernel: Triton 3.6.0" in caplog.text
+
+
+def test_a_failed_probe_falls_back_and_cuda_backend_names_it():
+    def probe(op):
+        return "its one-time check differs from the torch op: out0 relative error 1" if op == "ssd_step" else None
+
+    assert get_kernels("auto", env=hopper(*GOOD), probe=probe).names["ssd_step"] == "torch"
+    with pytest.raises(RuntimeError, match=r"kernel backend 'cuda' is unavailable here: ssd_step: its one-time check"):
+        get_kernels("cuda", env=hopper(*GOOD), probe=probe)
+    with pytest.raises(RuntimeError, match=r"chunk_gated_delta_rule: Triton 3.6.0 on a Hopper GPU"):
+        get_kernels("cuda", env=hopper(*with_version("triton", "3.6.0")), probe=passing_probe)
+
+
+@pytest.mark.parametrize("op", ops.OPS)
+def test_probe_accepts_a_kernel_that_matches_the_torch_op(op):
+    # on CPU the CUDA wrappers run the torch op: bf16 against fp32 stays inside the tolerance
+    errors = selection.compare(op, getattr(cuda, op), getattr(ops, op), "cpu")
+    assert max(errors.values()) <= selection.PROBE_TOLERANCE, errors
+    assert any(name.startswith("grad") for name in errors) == (op not in selection.FORWARD_ONLY)
+
+
+def test_probe_rejects_a_kernel_that_computes_something_else_or_raises():
+    def wrong_scan(x, dt, A, B, C, D=None, initial_state=None, output_final_state=True, chunk_size=64):
+        return ops.ssd_chunk_scan(x, dt * 1.1, A, B, C, D, initial_state, output_final_state, chunk_size)
+
+    def refusing(*args, **kwargs):
+        raise RuntimeError("Triton >= 3.4.0 on Hopper GPUs produces incorrect results")
+
+    assert "differs from the torch op" in selection.probe("ssd_chunk_scan", wrong_scan, ops.ssd_chunk_scan, "cpu")
+    assert selection.probe("chunk_gated_delta_rule", refusing, ops.chunk_gated_delta_rule, "cpu") == (
+        "its one-time check raised RuntimeError: Triton >= 3.4.0 on Hopper GPUs produces incorrect results")

@@ -1,0 +1,126 @@
+"""oryx-gpu-check's CPU dry run, end to end at toy sizes, and a broken section becoming a failed row.
+
+Nothing here ran on a GPU: without CUDA the command labels itself a CPU dry run, and these tests
+check that it does. On a machine with CUDA they are skipped: run `make gpu-check` there.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from oryx_megatron import ops
+from oryx_megatron.tools import gpu_check
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run; with CUDA run `make gpu-check`")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory, one_thread):
+    out = tmp_path_factory.mktemp("gpu_check")
+    code = gpu_check.main(["--out", str(out)])
+    return code, json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
+
+
+def rows(report, section):
+    return report["sections"][section]["rows"]
+
+
+def test_dry_run_passes_and_is_labelled(dry_run):
+    code, report, markdown = dry_run
+    assert code == 0 and report["summary"]["fail"] == 0
+    header = report["header"]
+    assert header["dry_run"] and header["toy"] and header["device"] == "CPU (dry run)"
+    assert header["label"] == gpu_check.DRY_RUN_LABEL == "CPU dry run: nothing here ran on a GPU"
+    assert header["versions"]["torch"] == torch.__version__
+    assert set(header["versions"]) >= {"triton", "megatron-core", "fla", "mamba-ssm", "causal-conv1d",
+                                       "transformer-engine"}
+    assert header["kernels_auto"] == ops.get_kernels("auto").names
+    assert list(report["sections"]) == ["kernels", "model", "training", "performance"]
+    assert all(entry["status"] == "done" for entry in report["sections"].values())
+    assert f"**{gpu_check.DRY_RUN_LABEL}.**" in markdown
+    for title in gpu_check.SECTION_TITLES.values():
+        assert f"## {title}" in markdown
+    assert "| op | case | implementation | errors | tolerance | status | note |" in markdown
+
+
+def test_every_kernel_op_has_its_rows(dry_run):
+    _, report, _ = dry_run
+    kernel_rows = rows(report, "kernels")
+    assert {row["op"] for row in kernel_rows} == set(ops.OPS)
+    cases = {(row["op"], row["case"]) for row in kernel_rows}
+    for op in ("causal_conv1d", "chunk_gated_delta_rule", "ssd_chunk_scan"):
+        for direction in ("fwd", "bwd"):
+            assert {(op, f"{direction}, no initial state"), (op, f"{direction}, initial state")} <= cases
+    for row in kernel_rows:
+        assert row["status"] == "pass" and row["implementation"] == "torch"
+        assert row["tolerance"] == gpu_check.KERNEL_RTOL
+        assert "the CUDA wrapper ran the torch op" in row["note"]  # a dry run says what it compared
+        assert all(0 <= e <= row["tolerance"] for e in row["errors"].values())
+    chunked_bwd = next(r for r in kernel_rows if (r["op"], r["case"]) == ("chunk_gated_delta_rule", "bwd, initial state"))
+    assert set(chunked_bwd["errors"]) == {"dq", "dk", "dv", "dg", "dbeta", "dinitial_state"}
+    conv = next(r for r in kernel_rows if (r["op"], r["case"]) == ("causal_conv1d", "fwd, initial state"))
+    assert set(conv["errors"]) == {"y", "final_state"}
+
+
+def test_model_section_has_both_families(dry_run):
+    _, report, _ = dry_run
+    model_rows = rows(report, "model")
+    assert {row["family"] for row in model_rows} == {"oryx_tg", "oryx_tm"}
+    assert len(model_rows) == 2 * (1 + len(gpu_check.DECODE_SCHEDULES))
+    for row in model_rows:
+        assert row["status"] == "pass" and "torch compared with itself" in row["note"]
+    logits = [row for row in model_rows if row["check"] == "parallel logits"]
+    assert [row["errors"]["logits"] for row in logits] == [0.0, 0.0]  # the same torch ops on the same weights
+
+
+def test_training_and_performance_cover_every_family(dry_run):
+    _, report, _ = dry_run
+    training, performance = rows(report, "training"), rows(report, "performance")
+    families = ["transformer", "mamba2", "gdn", "oryx_tm", "oryx_tg"]
+    assert [row["family"] for row in training] == [row["family"] for row in performance] == families
+    for row in training:
+        assert row["status"] == "pass" and row["iterations"] == 8
+        assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"]) and row["finite"]
+        assert row["falling"] and row["loss_last"] < row["loss_first"]
+        assert row["resume_max_abs_diff"] == 0.0 and row["diff_before_resume"] == 0.0  # CPU fp32: exact
+    for row in performance:
+        assert row["status"] == "pass" and row["tokens_per_s"] > 0 and row["memory_gb"] > 0
+        assert "not a GPU measurement" in row["note"]
+
+
+def test_a_raising_section_becomes_a_failed_row(tmp_path, monkeypatch):
+    def broken(setup, report):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setitem(gpu_check.SECTIONS, "model", broken)
+    code = gpu_check.main(["--out", str(tmp_path), "--sections", "model", "training", "performance",
+                           "--families", "no_such_family"])
+    assert code == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    [model_row] = rows(report, "model")
+    assert model_row["status"] == "fail" and "section model raised RuntimeError: injected failure" in model_row["note"]
+    [train_row] = rows(report, "training")  # the unknown family fails its own row, not the section
+    assert train_row["status"] == "fail" and "no_such_family" in train_row["note"]
+    [perf_row] = rows(report, "performance")
+    assert perf_row["status"] == "fail" and "no training metrics" in perf_row["note"]
+    assert report["summary"] == {"pass": 0, "fail": 3, "skipped": 0}
+    assert "injected failure" in (tmp_path / "report.md").read_text()
+
+
+def test_a_kernel_that_cannot_run_is_skipped_not_failed(tmp_path, monkeypatch):
+    """The skip path of a GPU machine without the kernel packages, reached here by injection:
+    nothing is measured, every row says why."""
+    setup = gpu_check.Setup(torch.device("cpu"), gpu_check.TOY, tmp_path, ())
+    report = gpu_check.Report(tmp_path, gpu_check.make_header(setup, []))  # honestly labelled a dry run
+    monkeypatch.setattr(gpu_check.Setup, "dry_run", property(lambda self: False))
+    monkeypatch.setattr(gpu_check.selection, "refusal", lambda op, env: f"{op}: injected refusal")
+    with report.section("kernels", gpu_check.section_size("kernels", setup)):
+        gpu_check.check_kernels(setup, report)
+    kernel_rows = rows(report.data, "kernels")
+    assert len(kernel_rows) == gpu_check.section_size("kernels", setup)
+    for row in kernel_rows:
+        assert row["status"] == "skipped" and row["note"] == f"skipped: {row['op']}: injected refusal"
+        assert "errors" not in row
+    assert report.exit_code() == 0
