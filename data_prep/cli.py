@@ -8,12 +8,13 @@
 
 import argparse
 import os
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
 
 from data_prep import PrepError
-from data_prep.inputs import InputOptions, Piece, expand_inputs, iter_documents, stdlib_files
+from data_prep.inputs import InputOptions, Piece, check_text_inputs, expand_inputs, iter_documents, stdlib_files
 from data_prep.pipeline import tokenize_corpus
 from data_prep.tokenizer import EOD_TOKEN, ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 from oryx_megatron.data.shards import Manifest, read_documents
@@ -42,6 +43,8 @@ def _input_arguments() -> argparse.ArgumentParser:
                    help="plain text: one document per file or per line (default: file)")
     p.add_argument("--invalid-utf8", choices=("replace", "skip"), default="replace",
                    help="documents with invalid UTF-8: replace bad bytes with U+FFFD or skip them; counted")
+    p.add_argument("--allow-binary", action="store_true",
+                   help="tokenize inputs that look binary (NUL bytes, mostly invalid UTF-8); refused by default")
     return p
 
 
@@ -49,6 +52,8 @@ def _inputs(args):
     files = expand_inputs(args.inputs, args.include) + (stdlib_files() if args.stdlib else [])
     if not files:
         raise PrepError("no inputs: name files, directories or globs, or pass --stdlib")
+    if not args.allow_binary:
+        check_text_inputs(files)
     options = InputOptions(jsonl_field=args.field, text_unit=args.text_unit, invalid_utf8=args.invalid_utf8,
                            include=args.include)
     return files, options
@@ -56,9 +61,25 @@ def _inputs(args):
 
 def _train(files, options, vocab_size: int, out: Path) -> HFTokenizer:
     counts = Counter()
-    texts = (text for f in files for text in iter_documents(Piece(str(f)), options, counts))
+    seen = [0]
+
+    def texts():
+        for f in files:
+            for text in iter_documents(Piece(str(f)), options, counts):
+                seen[0] += 1
+                yield text
+
     print(f"training a byte-level BPE (vocab {vocab_size}) on {len(files)} files -> {out}")
-    return train_bpe(texts, vocab_size, out)
+    created = not out.parent.exists()
+    tokenizer = train_bpe(texts(), vocab_size, out)
+    if seen[0] == 0:  # an empty corpus trains a bytes-only BPE: refuse it
+        out.unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(out.parent, ignore_errors=True)
+        skipped = ", ".join(f"{k.removeprefix('skipped_')} {n}" for k, n in sorted(counts.items()) if k.startswith("skipped"))
+        raise PrepError(f"the {len(files)} input files hold no documents to train a tokenizer on"
+                        f" (skipped: {skipped or 'none'})")
+    return tokenizer
 
 
 def _train_tokenizer(args):
@@ -68,6 +89,17 @@ def _train_tokenizer(args):
 
 def _tokenize(args):
     files, options = _inputs(args)
+    out = Path(args.out)
+    created = not out.exists()
+    try:
+        _tokenize_into(args, files, options)
+    except BaseException:
+        if created:  # nothing of a failed run is left in --out
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _tokenize_into(args, files, options):
     if args.tokenizer:
         tokenizer = load_tokenizer(args.tokenizer, args.eod_token)
     elif (Path(args.out) / "tokenizer.json").exists():  # trained by an earlier, interrupted run

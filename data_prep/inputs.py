@@ -201,6 +201,38 @@ def _text_docs(piece: Piece, options: InputOptions, counts: Counter) -> Iterator
             yield _decode(f.read(), options, counts)
 
 
+_SNIFF_BYTES = 8192
+_TEXT_CONTROLS = set(b"\t\n\r\f\v\x1b")
+
+
+def binary_reason(path) -> Optional[str]:
+    """Why a text or JSONL input looks binary (a NUL byte, or mostly invalid UTF-8 / control
+    bytes in its first 8 KiB), or None. Parquet files are binary by design: None."""
+    path = str(path)
+    if _kind(path) == "parquet":
+        return None
+    try:
+        with _open(path) as f:
+            head = f.read(_SNIFF_BYTES)
+    except (OSError, EOFError) as e:
+        raise PrepError(f"cannot read {path}: {e}") from None
+    if b"\0" in head:
+        return f"a NUL byte at offset {head.index(0)}"
+    text = head.decode("utf-8", "replace")
+    bad = sum(c == "\ufffd" or (ord(c) < 32 and ord(c) not in _TEXT_CONTROLS) for c in text)
+    if len(head) >= 64 and bad > 0.3 * len(text):
+        return f"{bad} of its first {len(text)} characters are invalid UTF-8 or control bytes"
+    return None
+
+
+def check_text_inputs(files: List[Path]) -> None:
+    """Refuse inputs that look binary (``binary_reason``), naming the first."""
+    for f in files:
+        reason = binary_reason(f)
+        if reason:
+            raise PrepError(f"{f} looks binary ({reason}); pass --allow-binary to tokenize it anyway")
+
+
 def iter_documents(piece: Piece, options: InputOptions, counts: Counter) -> Iterator[str]:
     """The non-empty documents of a piece; skips are counted in ``counts``."""
     read = {"jsonl": _jsonl_texts, "parquet": _parquet_texts, "text": _text_docs}[_kind(piece.path)]

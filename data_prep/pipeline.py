@@ -35,21 +35,32 @@ def write_shard(job, out: Path, tokenizer: AnyTokenizer, options: InputOptions):
     """Tokenize ``job = (index, pieces)`` into ``shard-<index>.tar``; returns (index, ShardInfo, counts)."""
     index, pieces = job
     counts = Counter()
-    writer = ShardWriter(out / f"shard-{index:06d}.tar", token_dtype(tokenizer.vocab_size))
-    for piece in pieces:
-        docs = iter_documents(piece, options, counts)
-        while texts := list(itertools.islice(docs, _ENCODE_BATCH)):
-            for ids in tokenizer.encode_batch(texts):
-                if len(ids) == 0:
-                    counts["skipped_empty"] += 1
-                elif ids.max() >= tokenizer.vocab_size:
-                    raise PrepError(
-                        f"token id {int(ids.max())} >= vocab size {tokenizer.vocab_size} in a document of "
-                        f"{piece.path}; the tokenizer's vocabulary is inconsistent"
-                    )
-                else:
-                    writer.add(ids)
-    return index, writer.close(), counts
+    path = out / f"shard-{index:06d}.tar"
+    writer = ShardWriter(path, token_dtype(tokenizer.vocab_size))
+    try:
+        for piece in pieces:
+            docs = iter_documents(piece, options, counts)
+            while texts := list(itertools.islice(docs, _ENCODE_BATCH)):
+                for ids in tokenizer.encode_batch(texts):
+                    if len(ids) == 0:
+                        counts["skipped_empty"] += 1
+                    elif ids.max() >= tokenizer.vocab_size:
+                        raise PrepError(
+                            f"token id {int(ids.max())} >= vocab size {tokenizer.vocab_size} in a document of "
+                            f"{piece.path}; the tokenizer's vocabulary is inconsistent"
+                        )
+                    else:
+                        writer.add(ids)
+        return index, writer.close(), counts
+    except BaseException:
+        Path(f"{path}.tmp").unlink(missing_ok=True)  # a failed shard leaves nothing behind
+        raise
+
+
+def _remove_partial_shards(out: Path) -> None:
+    """The ``.tmp`` files of shards that were being written when a run failed (other workers')."""
+    for tmp in out.glob("shard-*.tar.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def _fingerprint(files, shard_bytes: int, options: InputOptions, tokenizer: AnyTokenizer) -> str:
@@ -83,8 +94,23 @@ def _load_progress(path: Path, fingerprint: str) -> dict:
 
 def tokenize_corpus(files, out, tokenizer: AnyTokenizer, *, shard_bytes: int = 256 << 20, workers: int = 1,
                     options: InputOptions = InputOptions(), progress: bool = True) -> Manifest:
-    """Tokenize ``files`` into shards and ``manifest.json`` under ``out``; returns the manifest."""
+    """Tokenize ``files`` into shards and ``manifest.json`` under ``out``; returns the manifest.
+    Raises PrepError when the inputs hold no documents or no tokens; on any error no ``.tmp``
+    file is left, and ``out`` is removed if this call created it."""
     out = Path(out)
+    created = not out.exists()
+    try:
+        return _tokenize_corpus(files, out, tokenizer, shard_bytes, workers, options, progress)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        elif out.is_dir():
+            _remove_partial_shards(out)
+        raise
+
+
+def _tokenize_corpus(files, out: Path, tokenizer: AnyTokenizer, shard_bytes: int, workers: int,
+                     options: InputOptions, progress: bool) -> Manifest:
     out.mkdir(parents=True, exist_ok=True)
     plan = plan_shards(files, shard_bytes, options)
     done = _load_progress(out / PROGRESS, _fingerprint(files, shard_bytes, options, tokenizer))
@@ -100,22 +126,28 @@ def tokenize_corpus(files, out, tokenizer: AnyTokenizer, *, shard_bytes: int = 2
 
     start, new_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(plan), initial=len(done), unit="shard", desc="tokenize", disable=not progress)
-    with open(out / PROGRESS, "a") as log, multiprocessing.Pool(workers) if workers > 1 else nullcontext() as pool:
-        for index, shard, counts in pool.imap_unordered(job, todo) if pool else map(job, todo):
-            record = {"index": index, "shard": vars(shard), "counts": dict(counts)}
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            done[index] = record
-            new_tokens += shard.tokens
-            bar.update()
-            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):,.0f} tok/s")
-    bar.close()
+    try:  # the bar is closed before an error propagates: its message gets a line of its own
+        with open(out / PROGRESS, "a") as log, multiprocessing.Pool(workers) if workers > 1 else nullcontext() as pool:
+            for index, shard, counts in pool.imap_unordered(job, todo) if pool else map(job, todo):
+                record = {"index": index, "shard": vars(shard), "counts": dict(counts)}
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                done[index] = record
+                new_tokens += shard.tokens
+                bar.update()
+                bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):,.0f} tok/s")
+    finally:
+        bar.close()
 
     records = [done[i] for i in range(len(plan))]
     counts = sum((Counter(r["counts"]) for r in records), Counter())
     shards = [ShardInfo(**r["shard"]) for r in records]
     stats = {"input_files": len(files), "documents": sum(s.documents for s in shards),
              "tokens": sum(s.tokens for s in shards), **{k: counts[k] for k in COUNTS}}
+    if stats["documents"] == 0 or stats["tokens"] == 0:
+        skipped = ", ".join(f"{k.removeprefix('skipped_')} {stats[k]}" for k in COUNTS if k.startswith("skipped"))
+        raise PrepError(f"the {len(files)} input files hold no documents to tokenize "
+                        f"({stats['documents']} documents, {stats['tokens']} tokens; skipped: {skipped})")
     manifest = Manifest(
         tokenizer={**tokenizer.identity(), "file": tokenizer_file}, vocab_size=tokenizer.vocab_size, eod_id=tokenizer.eod_id,
         token_dtype=token_dtype(tokenizer.vocab_size).name, shards=shards, stats=stats, root=out,

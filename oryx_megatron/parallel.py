@@ -6,6 +6,7 @@ and a new layout destroys the old groups first (a gloo group holds its threads u
 """
 
 import os
+from datetime import timedelta
 from typing import Optional, Tuple
 
 import torch
@@ -16,18 +17,26 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from oryx_megatron.compat.cpu import apply_cpu_compat
 from oryx_megatron.launch import distributed_env_from_slurm
 
+DEFAULT_TIMEOUT_MINUTES = 10.0  # parallel.distributed_timeout_minutes
+
 
 def initialize_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
 ) -> None:
     """Start torch.distributed (nccl on CUDA, gloo on CPU) and megatron's parallel state.
 
     Under torchrun the rendezvous comes from the environment (under a SLURM task without
     torchrun, from SLURM's variables); a plain process becomes a world of one.
+    ``timeout_minutes`` (``parallel.distributed_timeout_minutes``): a collective that waits
+    longer for a dead or hung rank raises on the others instead of hanging (every group's
+    timeout; on NCCL with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's default, the watchdog
+    aborts the process). Only the first call in a process sets it.
     """
+    timeout = timedelta(minutes=timeout_minutes)
     apply_cpu_compat()
     os.environ.update(distributed_env_from_slurm())
     if not dist.is_initialized():
@@ -35,9 +44,9 @@ def initialize_parallel(
         if "RANK" in os.environ:
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     layout = (tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)
     if _current_layout() != layout:
         _destroy_model_parallel()
@@ -45,6 +54,7 @@ def initialize_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            distributed_timeout_minutes=timeout_minutes,
         )
     elif virtual_pipeline_model_parallel_size is not None:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)  # a finished run may have left it

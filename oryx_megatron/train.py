@@ -9,18 +9,25 @@ optimizer and LR schedule -> data -> resume from `latest` -> loop [train step, l
 save, preemption] -> final save, eval and loss-curve PNG.
 """
 
+import collections
 import logging
+import math
+import os
+import secrets
+import shutil
+import sys
 import time
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,7 +45,8 @@ from oryx_megatron.training.builders import (
     build_scheduler,
     model_config,
 )
-from oryx_megatron.training.config import TrainConfig, load_train_config, train_iters
+from oryx_megatron.training.config import ConfigError, TrainConfig, load_train_config, train_iters
+from oryx_megatron.training.validation import validate_run
 from oryx_megatron.training.metrics import MetricsLogger, flops_per_token, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
 
@@ -47,10 +55,41 @@ logger = logging.getLogger("oryx_megatron.train")
 
 @hydra.main(config_path=str(RECIPES_DIR), config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run = load_train_config(cfg)  # a bad key or value fails here, before any process group
+    run = _validated_run(cfg)  # a bad key, value or dataset fails here, before any process group or model
     output_dir = run.logging.output_dir or HydraConfig.get().runtime.output_dir
     if pretrain(run, output_dir) == REQUEUE_EXIT_CODE:
         exit_for_requeue()  # the checkpoint is complete on every rank
+
+
+def _validated_run(cfg: DictConfig) -> TrainConfig:
+    """The run config, checked (``validate_run``) before anything is built. A ConfigError is one
+    line on stderr (``oryx-train: error: ...``), exit 2, and the run directory Hydra created for
+    this invocation is removed; ``ORYX_DEBUG=1`` raises it with its traceback instead."""
+    try:
+        run = load_train_config(cfg)
+        validate_run(run)
+        return run
+    except ConfigError as e:
+        if os.environ.get("ORYX_DEBUG", "") not in ("", "0"):
+            raise
+        _remove_fresh_run_dir(HydraConfig.get().runtime.output_dir)
+        print(f"oryx-train: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _remove_fresh_run_dir(run_dir: str) -> None:
+    """Remove Hydra's run directory if it holds nothing but what Hydra wrote at start (``.hydra/``
+    and the job log); a directory with anything else (checkpoints, metrics) is left alone."""
+    path = Path(run_dir)
+    if not path.is_dir() or any(f.name != ".hydra" and not (f.is_file() and f.suffix == ".log")
+                                for f in path.iterdir()):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    date, runs = path.parent, path.parent.parent  # the default runs/<date>/<time>: those folders too, if now empty
+    if runs.name == "runs":
+        for folder in (date, runs):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 def pretrain(run: TrainConfig, output_dir: str) -> int:
@@ -58,7 +97,7 @@ def pretrain(run: TrainConfig, output_dir: str) -> int:
     until preempted (saves, returns REQUEUE_EXIT_CODE)."""
     p = run.parallel
     initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, run.train.seed,
-                        p.virtual_pipeline_model_parallel_size)
+                        p.virtual_pipeline_model_parallel_size, p.distributed_timeout_minutes)
     with cuda_to_cpu(), Trainer(run, output_dir) as trainer:  # cuda_to_cpu: megatron hard-codes CUDA (no-op with CUDA)
         trainer.resume()
         return trainer.train()
@@ -102,6 +141,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.is_logging_rank, run.logging, Path(self.output_dir),
                                      OmegaConf.to_container(OmegaConf.structured(run)))
         self.run_yaml = OmegaConf.to_yaml(OmegaConf.structured(run))  # saved with every checkpoint
+        self.run_id: Optional[str] = None  # the W&B run id, chosen (or read from the checkpoint) by resume
         self.preemption = PreemptionHandler()
         self._resources.callback(self.preemption.restore)
         logger.info("%s: %s parameters on this rank, %d iterations of %d tokens", run.model.family,
@@ -117,15 +157,26 @@ class Trainer:
         return self._resources.enter_context(loader)
 
     def resume(self) -> None:
-        """Continue from the latest checkpoint of checkpoint.dir, if any (and checkpoint.load)."""
-        latest = checkpointing.latest_checkpoint(self.ckpt_dir) if self.run.checkpoint.load else None
-        if latest is None:
-            return
-        self.iteration = checkpointing.load_checkpoint(latest, self.model, self.optimizer, self.scheduler,
-                                                       self.loaders[0])
-        for loader in self.loaders[1:]:
-            loader.load_state_dict(self.loaders[0].state_dict())
-        logger.info("resumed from %s at iteration %d", latest, self.iteration)
+        """Continue from the newest intact checkpoint of checkpoint.dir, if any (and
+        checkpoint.load): `latest`'s, or, when that one is damaged, the newest older one that
+        verifies (rank 0 chooses, logging what it skipped and why). Then the metrics continue at
+        that iteration (later rows dropped) in the same W&B run (its id is in the checkpoint)."""
+        ckpt = self.run.checkpoint
+        checkpointing.check_retention(ckpt.keep_last, ckpt.keep_every)
+        choice = [None, None]  # [checkpoint, W&B run id]
+        if dist.get_rank() == 0:
+            latest = checkpointing.latest_checkpoint(self.ckpt_dir) if ckpt.load else None
+            saved_id = checkpointing.load_common(latest).get("run_id") if latest is not None else None
+            choice = [latest and str(latest), saved_id or secrets.token_hex(4)]
+        dist.broadcast_object_list(choice, src=0)
+        latest, self.run_id = choice
+        if latest is not None:
+            self.iteration = checkpointing.load_checkpoint(Path(latest), self.model, self.optimizer,
+                                                           self.scheduler, self.loaders[0])
+            for loader in self.loaders[1:]:
+                loader.load_state_dict(self.loaders[0].state_dict())
+            logger.info("resumed from %s at iteration %d", latest, self.iteration)
+        self.metrics.start(self.iteration, self.run_id)
 
     def train(self) -> int:
         """Step until train_iters (or exit_interval more steps): 0; or until preempted, after a
@@ -134,8 +185,24 @@ class Trainer:
         stop_at = min(self.total_iters, self.iteration + (run.train.exit_interval or self.total_iters))
         first_iteration, exit_code, last_eval = self.iteration, 0, None
         interval = Interval()  # steps since the last log line
+        skips_in_a_row, spikes = 0, LossSpikeDetector(run.train.loss_spike_window, run.train.loss_spike_threshold)
         while self.iteration < stop_at:
-            interval.add(*self.train_step())
+            loss_sums, grad_norm = self.train_step()
+            interval.add(loss_sums, grad_norm)
+            skipped = grad_norm is None
+            skips_in_a_row = skips_in_a_row + 1 if skipped else 0
+            if skipped:
+                logger.warning("iteration %d: non-finite loss or gradient, optimizer step skipped (%d in a row)",
+                               self.iteration, skips_in_a_row)
+                if skips_in_a_row >= run.train.max_skipped_steps:
+                    self.log(interval)
+                    raise NumericalFault(
+                        f"{skips_in_a_row} optimizer steps in a row skipped (non-finite loss or gradient, "
+                        f"train.max_skipped_steps={run.train.max_skipped_steps}) at iteration {self.iteration}; "
+                        f"stopping without saving: the last good checkpoint is "
+                        f"{checkpointing.latest_checkpoint(self.ckpt_dir) if self.ckpt_dir else None}")
+            elif loss_sums[1] > 0 and spikes.add(self.iteration, float(loss_sums[0] / loss_sums[1])):
+                interval.spikes += 1
             if self.iteration % run.train.log_interval == 0 or self.iteration == stop_at:
                 self.log(interval)
                 interval = Interval()
@@ -145,7 +212,10 @@ class Trainer:
                 interval.start += time.perf_counter() - eval_start  # eval time is not training time
                 last_eval = self.iteration
             if run.checkpoint.save_interval and self.iteration % run.checkpoint.save_interval == 0:
-                self.save()
+                if skips_in_a_row:  # keep the last good checkpoint as `latest` while steps are being skipped
+                    logger.warning("iteration %d: not saving during %d skipped steps", self.iteration, skips_in_a_row)
+                else:
+                    self.save()
             if self.preemption.should_stop():
                 logger.warning("%s received: saving and exiting for requeue", self.preemption.received or "signal")
                 exit_code = REQUEUE_EXIT_CODE
@@ -161,25 +231,35 @@ class Trainer:
             logger.info("checkpoints: %s | outputs: %s | loss curve: %s", self.ckpt_dir, self.output_dir, png)
         return exit_code
 
-    def train_step(self) -> Tuple[torch.Tensor, float]:
+    def train_step(self) -> Tuple[torch.Tensor, Optional[float]]:
         """One optimizer step over the global batch (micro-batched, pipelined) and one LR step;
-        returns the loss sums (see ``_loss_sums``) and the gradient norm."""
+        returns the loss sums (see ``_loss_sums``) and the gradient norm. A non-finite loss or
+        gradient norm on any rank skips the update (weights, optimizer state and LR schedule
+        unchanged, as Megatron does on an fp16 overflow) on every rank: returns (zeros, None)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = _forward_backward(self.run, self.model, self.loaders, forward_only=False)
-        _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        loss_sums = _loss_sums(reports)
+        found_inf = self.optimizer.prepare_grads()  # only an fp16 loss scaler checks; bf16/fp32 do not
+        grad_norm = self.optimizer.get_grad_norm()
         self.iteration += 1
-        return _loss_sums(reports), grad_norm
+        if not _all_finite(loss_sums, grad_norm, found_inf):
+            return torch.zeros_like(loss_sums), None
+        _clip_grads(self.optimizer, grad_norm)
+        self.optimizer.step_with_ready_grads()
+        self.scheduler.step(increment=1)
+        return loss_sums, grad_norm
 
     def log(self, interval: "Interval") -> None:
         """Means over the steps since the last log line: losses, grad norm, LR, throughput, memory."""
         elapsed, world = interval.seconds_per_step(), dist.get_world_size()
-        report = _loss_metrics(interval.loss_sums, "train")
+        report = _loss_metrics(interval.loss_sums, "train") if interval.grad_norms else {}  # all skipped: no loss
         report.update({
             "train/grad_norm": interval.mean_grad_norm(),
             "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/skipped_steps": interval.skipped,
+            "train/loss_spikes": interval.spikes,
             "perf/tokens_per_s": self.tokens_per_iter / elapsed,
             "perf/tflops": self.flops_per_iter / elapsed / world / 1e12,
             "perf/mfu": self.flops_per_iter / elapsed / world / (self.run.logging.peak_tflops * 1e12),
@@ -207,8 +287,11 @@ class Trainer:
     def save(self) -> None:
         """A checkpoint of this iteration under checkpoint.dir (none without a dir)."""
         if self.ckpt_dir:
+            ckpt = self.run.checkpoint
             path = checkpointing.save_checkpoint(self.ckpt_dir, self.iteration, self.model, self.optimizer,
-                                                 self.scheduler, self.loaders[0], self.run_yaml)
+                                                 self.scheduler, self.loaders[0], self.run_yaml,
+                                                 keep_last=ckpt.keep_last, keep_every=ckpt.keep_every,
+                                                 extra={"run_id": self.run_id})
             logger.info("saved %s", path)
 
 
@@ -252,19 +335,69 @@ def _loss(loss_mask, modes, per_token_loss):
 
 
 class Interval:
-    """Loss sums, gradient norms and wall time of the steps since the last log line."""
+    """Loss sums, gradient norms and wall time of the steps since the last log line, and the
+    steps skipped (non-finite) and loss spikes among them."""
 
     def __init__(self):
         self.start, self.loss_sums, self.grad_norms = time.perf_counter(), 0, []
+        self.steps = self.skipped = self.spikes = 0
 
-    def add(self, loss_sums: torch.Tensor, grad_norm: float) -> None:
-        self.loss_sums, self.grad_norms = self.loss_sums + loss_sums, self.grad_norms + [grad_norm]
+    def add(self, loss_sums: torch.Tensor, grad_norm: Optional[float]) -> None:
+        """One step; ``grad_norm`` None: a skipped step (its loss is not averaged)."""
+        self.steps += 1
+        if grad_norm is None:
+            self.skipped += 1
+        else:
+            self.loss_sums, self.grad_norms = self.loss_sums + loss_sums, self.grad_norms + [grad_norm]
 
     def seconds_per_step(self) -> float:
-        return (time.perf_counter() - self.start) / len(self.grad_norms)
+        return (time.perf_counter() - self.start) / max(self.steps, 1)
 
     def mean_grad_norm(self) -> float:
-        return sum(self.grad_norms) / len(self.grad_norms)
+        return sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
+
+
+class NumericalFault(RuntimeError):
+    """train.max_skipped_steps optimizer steps in a row had a non-finite loss or gradient."""
+
+
+class LossSpikeDetector:
+    """Flags (logs) a loss above mean + ``threshold`` standard deviations of the previous
+    ``window`` finite losses (once ``window // 2`` are known); threshold <= 0 disables it. A
+    spike is only reported: the step is taken (a non-finite loss is skipped instead)."""
+
+    def __init__(self, window: int, threshold: float):
+        self.losses, self.threshold = collections.deque(maxlen=max(window, 2)), threshold
+
+    def add(self, iteration: int, loss: float) -> bool:
+        history, spike = self.losses, False
+        if self.threshold > 0 and len(history) >= max(history.maxlen // 2, 2):
+            mean = sum(history) / len(history)
+            std = (sum((x - mean) ** 2 for x in history) / len(history)) ** 0.5
+            if loss > mean + self.threshold * std:
+                spike = True
+                logger.warning("iteration %d: loss spike %.4f > mean %.4f + %g x std %.4f of the last %d steps",
+                               iteration, loss, mean, self.threshold, std, len(history))
+        history.append(loss)
+        return spike
+
+
+def _all_finite(loss_sums: torch.Tensor, grad_norm, found_inf: bool) -> bool:
+    """Whether the loss and gradient norm are finite on every rank (one all-reduce)."""
+    bad = bool(found_inf) or not torch.isfinite(loss_sums).all().item() or not math.isfinite(float(grad_norm))
+    flag = torch.tensor([float(bad)], device=current_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
+def _clip_grads(optimizer, grad_norm: float) -> None:
+    """What megatron's ``optimizer.step()`` does between ``prepare_grads`` and the update:
+    clip by the total norm already computed."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 def _loss_sums(reports: List[dict]) -> torch.Tensor:

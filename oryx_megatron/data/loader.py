@@ -1,23 +1,26 @@
 """Deterministic, resumable micro-batches for one data-parallel rank, from token shards.
 
-Layout (all pure functions of the seed and the counters in ``state_dict``):
+Layout (all pure functions of the seed and the global sample index, as Megatron's GPTDataset):
 
-- Shards are visited in an endless sequence of epochs, each in a fresh seeded order;
-  rank r of dp takes visits r, r + dp, r + 2 dp, ... so ranks read disjoint shards.
-- A visit expands its shard's documents in a seeded order (per epoch and shard), each
-  followed by the EOD token; consecutive visits form the rank's token stream of a source.
-- A sample is a window of ``seq_len + 1`` tokens starting at ``k * seq_len`` for the
-  rank's k-th sample of that source (windows overlap by one token, as in Megatron).
-- Sources are blended as in Megatron's ``--data-path w1 p1 w2 p2``: each sample goes to
-  the source whose drawn count lags its weight the most.
+- Each source's documents (those of its split) get a fresh seeded order every epoch; the
+  epoch's token stream is the documents in that order, each followed by the EOD token.
+- The epoch's samples are the windows ``stream[w * seq_len : w * seq_len + seq_len + 1]``
+  (they overlap by one token and span document and shard boundaries); the epoch visits
+  them in a seeded order (a permutation of all its windows). Sample ``j`` of a source is
+  window ``perm_e[j % n]`` of epoch ``e = j // n``.
+- Sources are blended by Megatron's rule (``weight * max(i, 1) - drawn``) over the global
+  sample index, in blocks of ``BLEND_BLOCK`` samples; global sample ``i`` is thus the same
+  window for every data-parallel layout, and a resumed loader continues exactly.
 - Modes come from the schedule, keyed by the global sample index.
 
-Workers only read and shuffle shards ahead of time, so batches do not depend on
-``num_workers``.
+Shards are read on demand (by ``num_workers`` processes ahead of time, if any) and a few
+are cached per source, so batches do not depend on ``num_workers``.
 """
 
 import collections
-from concurrent.futures import ProcessPoolExecutor
+import io
+import tarfile
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -28,7 +31,9 @@ from oryx_megatron.data.modes import ModeSchedule, build_mode_schedule
 from oryx_megatron.data.shards import Manifest, ShardInfo, read_documents
 
 # Tags that keep the seeded generators of different purposes apart.
-_SHARD_ORDER, _DOCUMENT_ORDER = 1, 2
+_DOCUMENT_ORDER, _SAMPLE_ORDER = 2, 3
+BLEND_BLOCK = 1 << 12  # global samples per period of the blending sequence
+SHARD_CACHE = 8  # shards kept in memory per source (plus those read ahead)
 
 
 def parse_blend(data_path: Union[str, Path, Sequence]) -> Tuple[List[str], Optional[List[float]]]:
@@ -52,76 +57,134 @@ def parse_blend(data_path: Union[str, Path, Sequence]) -> Tuple[List[str], Optio
     return [str(p) for p in items[1::2]], [w / sum(weights) for w in weights]
 
 
-def _read_stream(path: Path, shard: ShardInfo, eod_id: int, dtype: str, seed_words: list) -> np.ndarray:
-    """One shard's documents in seeded order, each followed by EOD (runs in a worker)."""
+def _read_shard(path: Path, shard: ShardInfo, vocab_size: int, dtype: str) -> Tuple[np.ndarray, np.ndarray]:
+    """One shard's tokens (concatenated) and document offsets; checked against the manifest
+    (counts) and the vocabulary (ids). Runs in a worker when there are any."""
     docs = read_documents(path)
     tokens = sum(len(d) for d in docs)
     if (len(docs), tokens) != (shard.documents, shard.tokens):
         raise ValueError(f"shard {path} holds {len(docs)} documents / {tokens} tokens, its manifest says "
-                         f"{shard.documents} / {shard.tokens}: the shard is damaged or from another run")
-    stream = np.empty(tokens + len(docs), dtype)
-    pos = 0
-    for i in np.random.default_rng(seed_words).permutation(len(docs)):
-        stream[pos:pos + len(docs[i])] = docs[i]
-        pos += len(docs[i]) + 1
-        stream[pos - 1] = eod_id
-    return stream
+                         f"{shard.documents} / {shard.tokens}: the shard is damaged (truncated?) or from another run")
+    flat = np.concatenate(docs).astype(dtype, copy=False) if docs else np.empty(0, dtype)
+    if len(flat) and int(flat.max()) >= vocab_size:
+        raise ValueError(f"shard {path} holds token id {int(flat.max())}, beyond the manifest's vocab_size "
+                         f"{vocab_size}: the shard is damaged or from another tokenizer")
+    offsets = np.zeros(len(docs) + 1, np.int64)
+    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    return flat, offsets
 
 
-class _RankStream:
-    """The token stream one rank reads from one source (see the module docstring)."""
+def _read_lengths(path: Path, shard: ShardInfo) -> np.ndarray:
+    """Tokens per document of one shard, reading only the ``lengths.npy`` members (the tar
+    reader seeks past the token arrays)."""
+    lengths = []
+    try:
+        size = path.stat().st_size
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if member.offset_data + member.size > size:
+                    raise ValueError(f"member {member.name!r} ends at byte {member.offset_data + member.size}, "
+                                     f"the file has {size}: the shard is truncated")
+                if member.name.endswith(".lengths.npy"):
+                    lengths.append(np.load(io.BytesIO(tar.extractfile(member).read())))
+    except (tarfile.TarError, OSError, ValueError) as e:
+        raise ValueError(f"cannot read shard {path}: {e}") from None
+    lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+    if (len(lengths), int(lengths.sum())) != (shard.documents, shard.tokens):
+        raise ValueError(f"shard {path} holds {len(lengths)} documents / {int(lengths.sum())} tokens, its manifest "
+                         f"says {shard.documents} / {shard.tokens}: the shard is damaged (truncated?) or from another run")
+    return lengths
 
-    def __init__(self, manifest: Manifest, source: int, seed: int, dp_rank: int, dp_size: int,
-                 pool: Optional[ProcessPoolExecutor], lookahead: int):
-        self.manifest, self.source, self.seed = manifest, source, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.pool, self.lookahead = pool, lookahead
-        self._order_cache = (-1, None)
-        self._pending = collections.deque()  # upcoming visits: futures (with a pool) or arguments
-        self.seek(0)
 
-    def _visit(self, visit: int) -> Tuple[int, int]:
-        """(epoch, shard index) of the rank's visit number ``visit``."""
-        epoch, position = divmod(self.dp_rank + visit * self.dp_size, len(self.manifest.shards))
-        if self._order_cache[0] != epoch:
-            rng = np.random.default_rng([self.seed, self.source, epoch, _SHARD_ORDER])
-            self._order_cache = (epoch, rng.permutation(len(self.manifest.shards)))
-        return epoch, int(self._order_cache[1][position])
+class _Source:
+    """The samples of one source (see the module docstring): document lengths in memory
+    (numpy), the current epochs' orders, and a small cache of shards read on demand."""
 
-    def seek(self, offset: int) -> None:
-        """Position the stream so that the next window may start at ``offset`` (no shard is read)."""
-        visit, start = 0, 0
-        while start + (length := self._stream_length(self.manifest.shards[self._visit(visit)[1]])) <= offset:
-            start, visit = start + length, visit + 1
-        self._next_visit, self._buffer_start = visit, start
-        self._buffer = np.empty(0, self.manifest.token_dtype)
-        while self._pending:
-            pending = self._pending.pop()
-            if self.pool:
-                pending.cancel()
+    def __init__(self, manifest: Manifest, documents: Tuple[int, int], index: int, seed: int, seq_len: int,
+                 pool: Optional[ProcessPoolExecutor]):
+        self.manifest, self.index, self.seed, self.seq_len, self.pool = manifest, index, seed, seq_len, pool
+        self.shard_first = np.zeros(len(manifest.shards) + 1, np.int64)  # global id of each shard's first document
+        np.cumsum([s.documents for s in manifest.shards], out=self.shard_first[1:])
+        self.first_doc, end_doc = documents
+        first_shard = int(np.searchsorted(self.shard_first, self.first_doc, "right")) - 1
+        last_shard = int(np.searchsorted(self.shard_first, end_doc, "left"))
+        lengths = np.concatenate([_read_lengths(manifest.shard_path(manifest.shards[s]), manifest.shards[s])
+                                  for s in range(first_shard, last_shard)])
+        skip = self.first_doc - int(self.shard_first[first_shard])
+        self.lengths = lengths[skip:skip + end_doc - self.first_doc]  # the split's documents
+        self.documents, self.tokens = len(self.lengths), int(self.lengths.sum())
+        self.samples_per_epoch = (self.tokens + self.documents - 1) // seq_len  # an EOD after each document
+        if self.samples_per_epoch < 1:
+            raise ValueError(f"{manifest.root}: {self.tokens} tokens in {self.documents} documents make no "
+                             f"sample of {seq_len + 1} tokens")
+        self._epochs: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+        self._shards: "collections.OrderedDict[int, object]" = collections.OrderedDict()
 
-    @staticmethod
-    def _stream_length(shard: ShardInfo) -> int:
-        return shard.tokens + shard.documents  # an EOD after each document
+    def _epoch(self, epoch: int) -> tuple:
+        """(document order, end offset of each of them in the stream, sample order) of an epoch."""
+        if epoch not in self._epochs:
+            docs = np.random.default_rng([self.seed, self.index, epoch, _DOCUMENT_ORDER]).permutation(self.documents)
+            ends = np.cumsum(self.lengths[docs] + 1)
+            samples = np.random.default_rng([self.seed, self.index, epoch, _SAMPLE_ORDER]).permutation(
+                self.samples_per_epoch)
+            self._epochs[epoch] = (docs, ends, samples)
+            while len(self._epochs) > 2:
+                self._epochs.popitem(last=False)
+        return self._epochs[epoch]
 
-    def _load_next(self) -> np.ndarray:
-        while len(self._pending) < self.lookahead:
-            epoch, shard = self._visit(self._next_visit)
-            self._next_visit += 1
+    def _pieces(self, sample: int):
+        """(global document id, first token, end token, EOD after?) pieces of a source sample."""
+        epoch, k = divmod(sample, self.samples_per_epoch)
+        docs, ends, samples = self._epoch(epoch)
+        start = int(samples[k]) * self.seq_len
+        end = start + self.seq_len + 1
+        i = int(np.searchsorted(ends, start, "right"))
+        while start < end:
+            doc_start = int(ends[i]) - int(self.lengths[docs[i]]) - 1
+            lo, hi = start - doc_start, min(end - doc_start, int(self.lengths[docs[i]]) + 1)
+            yield self.first_doc + int(docs[i]), lo, hi
+            start, i = doc_start + hi, i + 1
+
+    def shards_of(self, sample: int) -> List[int]:
+        return [int(np.searchsorted(self.shard_first, d, "right")) - 1 for d, _, _ in self._pieces(sample)]
+
+    def prefetch(self, shard: int) -> None:
+        if self.pool and shard not in self._shards:
             info = self.manifest.shards[shard]
-            args = (self.manifest.shard_path(info), info, self.manifest.eod_id, self.manifest.token_dtype,
-                    [self.seed, self.source, epoch, shard, _DOCUMENT_ORDER])
-            self._pending.append(self.pool.submit(_read_stream, *args) if self.pool else args)
-        pending = self._pending.popleft()
-        return pending.result() if self.pool else _read_stream(*pending)
+            self._shards[shard] = self.pool.submit(_read_shard, self.manifest.shard_path(info), info,
+                                                   self.manifest.vocab_size, self.manifest.token_dtype)
 
-    def window(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the stream; ``start`` never goes back."""
-        while self._buffer_start + len(self._buffer) < start + length:
-            self._buffer = np.concatenate([self._buffer, self._load_next()])
-        self._buffer = self._buffer[start - self._buffer_start:]
-        self._buffer_start = start
-        return self._buffer[:length]
+    def _shard(self, shard: int) -> Tuple[np.ndarray, np.ndarray]:
+        entry = self._shards.pop(shard, None)
+        if isinstance(entry, Future):
+            entry = entry.result()
+        if entry is None:
+            info = self.manifest.shards[shard]
+            entry = _read_shard(self.manifest.shard_path(info), info, self.manifest.vocab_size,
+                                self.manifest.token_dtype)
+        self._shards[shard] = entry  # most recently used last
+        loaded = [s for s, e in self._shards.items() if not isinstance(e, Future)]
+        for old in loaded[:max(0, len(loaded) - SHARD_CACHE)]:
+            del self._shards[old]
+        return entry
+
+    def window(self, sample: int) -> np.ndarray:
+        out = np.empty(self.seq_len + 1, self.manifest.token_dtype)
+        pos = 0
+        for doc, lo, hi in self._pieces(sample):
+            shard = int(np.searchsorted(self.shard_first, doc, "right")) - 1
+            tokens, offsets = self._shard(shard)
+            local = doc - int(self.shard_first[shard])
+            a, b = int(offsets[local]), int(offsets[local + 1])
+            n = min(hi, b - a) - lo  # tokens of the document in the window (then maybe its EOD)
+            if n > 0:
+                out[pos:pos + n] = tokens[a + lo:a + lo + n]
+                pos += n
+            if hi == b - a + 1:
+                out[pos] = self.manifest.eod_id
+                pos += 1
+        assert pos == len(out)
+        return out
 
 
 class RankBatches:
@@ -172,49 +235,68 @@ class RankBatches:
 
 class ShardLoader(RankBatches):
     """Micro-batches of packed ``seq_len + 1`` windows from token-shard datasets (manifests),
-    for data-parallel rank ``dp_rank`` of ``dp_size``; an endless iterator.
+    for data-parallel rank ``dp_rank`` of ``dp_size``; an endless iterator. Samples are
+    shuffled over each whole source (documents and windows, seeded per epoch; see the
+    module docstring and docs/data.md); global sample ``i`` does not depend on ``dp_size``.
 
     ``data_path``: a manifest (file or directory), or Megatron's ``--data-path`` list
     ``[w1, p1, w2, p2, ...]``; without weights sources are drawn in proportion to their tokens.
-    ``num_workers`` processes read and shuffle upcoming shards; the batches do not depend on it.
+    ``num_workers`` processes read upcoming shards; the batches do not depend on it.
     ``mode_schedule``: a ModeSchedule or its config (default ``random_chunks``).
-    ``holdout_shards``/``split``: read only the "train" or the held-out "valid" shards of
-    each source (``Manifest.split``); 0 reads all shards.
+    ``holdout_shards``/``split``: read only the "train" or the held-out "valid" documents of
+    each source (``Manifest.holdout``: the last ``holdout_shards`` shards, or the last
+    ``HOLDOUT_FRACTION`` of the documents of a source with too few shards); 0 reads everything.
     """
 
     def __init__(self, data_path, *, seq_len: int, micro_batch_size: int, seed: int = 1234, dp_rank: int = 0,
                  dp_size: int = 1, num_workers: int = 0, mode_schedule=None, holdout_shards: int = 0,
-                 split: str = "train"):
+                 split: str = "train", lookahead: int = 2):
         super().__init__(seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, dp_rank=dp_rank,
                          dp_size=dp_size, mode_schedule=mode_schedule)
         paths, weights = parse_blend(data_path)
         self.manifests = [Manifest.read(p) for p in paths]
-        if holdout_shards or split == "valid":
-            self.manifests = [m.split(holdout_shards, split) for m in self.manifests]
+        ranges = [m.holdout(holdout_shards, split) if holdout_shards or split == "valid" else (0, m.documents)
+                  for m in self.manifests]
         first = self.manifests[0]
         for path, m in zip(paths[1:], self.manifests[1:]):
             if (m.tokenizer["sha256"], m.eod_id, m.vocab_size) != (first.tokenizer["sha256"], first.eod_id, first.vocab_size):
                 raise ValueError(f"{path} was tokenized with another tokenizer than {paths[0]}; blended sources must share one")
-        for path, m in zip(paths, self.manifests):
-            if m.tokens == 0:
-                raise ValueError(f"{path} holds no tokens")
+        for path, m, (lo, hi) in zip(paths, self.manifests, ranges):
+            if m.tokens == 0 or hi <= lo:
+                raise ValueError(f"{path} holds no tokens" + (f" in its {split!r} split" if hi <= lo else ""))
         self.vocab_size, self.eod_id = first.vocab_size, first.eod_id
-        sizes = np.array([m.tokens for m in self.manifests], np.float64)
-        self.weights = np.array(weights) if weights else sizes / sizes.sum()
         self._pool = ProcessPoolExecutor(num_workers) if num_workers > 0 else None
-        self._streams = [_RankStream(m, i, seed, dp_rank, dp_size, self._pool, max(1, num_workers))
-                         for i, m in enumerate(self.manifests)]
-        self._source_samples = np.zeros(len(self._streams), np.int64)  # samples this rank drew per source
+        self.lookahead = lookahead if self._pool else 0  # micro-batches whose shards are read ahead
+        self._sources = [_Source(m, r, i, seed, seq_len, self._pool)
+                         for i, (m, r) in enumerate(zip(self.manifests, ranges))]
+        sizes = np.array([s.tokens for s in self._sources], np.float64)
+        self.weights = np.array(weights) if weights else sizes / sizes.sum()
+        self._blend_source, self._blend_rank, self._blend_counts = _blending(self.weights, BLEND_BLOCK)
 
-    def _next_window(self) -> np.ndarray:
-        drawn = int(self._source_samples.sum())
-        source = int(np.argmax(self.weights * max(drawn, 1) - self._source_samples))  # Megatron's blending rule
-        start = int(self._source_samples[source]) * self.seq_len
-        self._source_samples[source] += 1
-        return self._streams[source].window(start, self.seq_len + 1)
+    def _locate(self, index: int) -> Tuple[int, int]:
+        """(source, sample of that source) of global sample ``index``."""
+        block, pos = divmod(index, BLEND_BLOCK)
+        source = int(self._blend_source[pos])
+        return source, block * int(self._blend_counts[source]) + int(self._blend_rank[pos])
+
+    def source_samples(self, consumed: int) -> List[int]:
+        """Samples drawn from each source by the first ``consumed`` global samples."""
+        block, pos = divmod(consumed, BLEND_BLOCK)
+        head = np.bincount(self._blend_source[:pos], minlength=len(self._sources))
+        return (block * self._blend_counts + head).tolist()
+
+    def _read_ahead(self) -> None:
+        global_batch = self.micro_batch_size * self.dp_size
+        for k in range(1, self.lookahead + 1):
+            for index in self.sample_indices():
+                source, sample = self._locate(index + k * global_batch)
+                for shard in self._sources[source].shards_of(sample):
+                    self._sources[source].prefetch(shard)
 
     def __next__(self) -> Dict[str, torch.Tensor]:
-        windows = torch.from_numpy(np.stack([self._next_window() for _ in range(self.micro_batch_size)]).astype(np.int64))
+        self._read_ahead()
+        rows = [self._sources[s].window(j) for s, j in map(self._locate, self.sample_indices())]
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
         shape = (self.micro_batch_size, self.seq_len)
         return self._finish({
             "tokens": windows[:, :-1].contiguous(),
@@ -226,28 +308,39 @@ class ShardLoader(RankBatches):
     def state_dict(self) -> dict:
         return {
             "consumed_samples": self.consumed_samples,
-            "source_samples": self._source_samples.tolist(),
+            "source_samples": self.source_samples(self.consumed_samples),  # for information
             "dp_size": self.dp_size,
             "seq_len": self.seq_len,
             "seed": self.seed,
-            "sources": [[m.documents, m.tokens] for m in self.manifests],
+            "sources": [[s.documents, s.tokens] for s in self._sources],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume. Same ``dp_size``: exactly where the saved loader stopped. Another ``dp_size``:
-        the global sample count (hence modes) continues exactly and each source's stream resumes
-        at the same overall depth, rescaled per rank (see docs/data.md)."""
+        """Resume exactly at the saved global sample count, for any ``dp_size`` (global
+        sample ``i`` is the same window for every layout)."""
         self._check_state(state, seq_len=self.seq_len, seed=self.seed,
-                          sources=[[m.documents, m.tokens] for m in self.manifests])
-        drawn = np.array(state["source_samples"], np.int64)
-        if state["dp_size"] != self.dp_size:
-            drawn = drawn * state["dp_size"] // self.dp_size
+                          sources=[[s.documents, s.tokens] for s in self._sources])
         self.consumed_samples = state["consumed_samples"]
-        self._source_samples = drawn
-        for stream, n in zip(self._streams, drawn):
-            stream.seek(int(n) * self.seq_len)
 
     def close(self) -> None:
         """Shut the shard-reading worker pool down."""
         if self._pool:
             self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+
+def _blending(weights: np.ndarray, block: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Megatron's blending rule over ``block`` samples: the source of each sample, its rank
+    among that source's samples, and the samples per source (the sequence repeats per block)."""
+    n = len(weights)
+    source = np.zeros(block, np.int16)
+    rank = np.zeros(block, np.int64)
+    if n > 1:
+        drawn = np.zeros(n, np.int64)
+        for i in range(block):
+            s = int(np.argmax(weights * max(i, 1) - drawn))
+            source[i], rank[i] = s, drawn[s]
+            drawn[s] += 1
+    else:
+        rank[:] = np.arange(block)
+    return source, rank, np.bincount(source, minlength=n).astype(np.int64)

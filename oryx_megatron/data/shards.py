@@ -13,7 +13,7 @@ import json
 import os
 import tarfile
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 import webdataset as wds
@@ -23,6 +23,7 @@ FORMAT = "oryx-token-shards"
 VERSION = 1
 MANIFEST = "manifest.json"
 BLOCK_TOKENS = 1 << 20
+HOLDOUT_FRACTION = 0.1  # documents held out of a single-shard dataset (instead of data.holdout_shards shards)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -60,19 +61,26 @@ class Manifest:
     def shard_path(self, shard: ShardInfo) -> Path:
         return self.root / shard.path
 
-    def split(self, holdout_shards: int, split: str) -> "Manifest":
-        """The "train" part (all shards but the last ``holdout_shards``) or the "valid" part
-        (those last shards) of this dataset."""
+    def holdout(self, holdout_shards: int, split: str) -> Tuple[int, int]:
+        """[first, end) document ids (over the shards in order) of the "train" or the held-out
+        "valid" part of this dataset: the last ``holdout_shards`` shards (one at least left for
+        training); a dataset of a single shard holds out the last ``HOLDOUT_FRACTION`` of its
+        documents instead (at least one, one at least left for training)."""
         if split not in ("train", "valid"):
             raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
-        if not 1 <= holdout_shards < len(self.shards):
-            raise ValueError(
-                f"{self.root / MANIFEST}: holdout_shards={holdout_shards} must be between 1 and "
-                f"{len(self.shards) - 1} ({len(self.shards)} shards, one at least for training)"
-            )
-        cut = len(self.shards) - holdout_shards
-        shards = self.shards[:cut] if split == "train" else self.shards[cut:]
-        return dataclasses.replace(self, shards=shards)
+        if len(self.shards) > 1:
+            if not 1 <= holdout_shards < len(self.shards):
+                raise ValueError(
+                    f"{self.root / MANIFEST}: holdout_shards={holdout_shards} must be between 1 and "
+                    f"{len(self.shards) - 1} ({len(self.shards)} shards, one at least for training)"
+                )
+            cut = sum(s.documents for s in self.shards[:len(self.shards) - holdout_shards])
+        else:
+            if self.documents < 2:
+                raise ValueError(f"{self.root / MANIFEST}: {self.documents} document(s) cannot be split into "
+                                 f"training and held-out data")
+            cut = self.documents - min(self.documents - 1, max(1, round(self.documents * HOLDOUT_FRACTION)))
+        return (0, cut) if split == "train" else (cut, self.documents)
 
     def write(self, path: Path) -> None:
         """Write atomically (tmp file + rename)."""

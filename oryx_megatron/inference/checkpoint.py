@@ -8,16 +8,27 @@ from omegaconf import OmegaConf
 
 from oryx_megatron.models.builder import ModelArgs, build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
-from oryx_megatron.training.checkpointing import RUN_CONFIG, latest_checkpoint, load_sharded
+from oryx_megatron.training.checkpointing import (
+    CONFIG,
+    LATEST,
+    RUN_CONFIG,
+    latest_checkpoint,
+    load_sharded,
+    verify_checkpoint,
+)
 from oryx_megatron.training.config import TrainConfig
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """A checkpoint directory (iter_NNNNNNN), or a run's checkpoint.dir (then its `latest`)."""
+    """A checkpoint directory (iter_NNNNNNN), or a run's checkpoint.dir (then the one its `latest`
+    names), verified: a damaged checkpoint raises CheckpointError (a FileNotFoundError) naming
+    the file. No fallback to an older checkpoint: evaluating another one than asked is an error."""
     path = Path(path)
-    if (path / RUN_CONFIG).exists():
+    is_checkpoint = any((path / name).exists() for name in (RUN_CONFIG, CONFIG))
+    if is_checkpoint or (path.name.startswith("iter_") and not (path / LATEST).exists()):
+        verify_checkpoint(path)
         return path
-    latest = latest_checkpoint(str(path))
+    latest = latest_checkpoint(str(path), fallback=False)
     if latest is None:
         raise FileNotFoundError(f"{path} is neither a checkpoint (no {RUN_CONFIG}) nor a checkpoint dir with 'latest'")
     return latest

@@ -78,14 +78,18 @@ class RaggedBatch:
 
 
 def schedule_prompts(prompts: Sequence[Sequence[int]], schedule, max_new_tokens: int, vocab_limit: int,
-                     device: torch.device) -> RaggedBatch:
-    """Validate the prompts and lay them out with the schedule's mode of every position."""
+                     device: torch.device, max_length: Optional[int] = None) -> RaggedBatch:
+    """Validate the prompts and lay them out with the schedule's mode of every position.
+    ``max_length`` (the model's max_sequence_length): a prompt plus max_new_tokens must fit it."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     schedule = as_inference_schedule(schedule)
     lengths = [len(p) for p in prompts]
+    if max_length is not None and max(lengths) + max_new_tokens > max_length:
+        raise ValueError(f"a prompt of {max(lengths)} tokens + max_new_tokens {max_new_tokens} = "
+                         f"{max(lengths) + max_new_tokens} exceeds max_sequence_length {max_length}")
     span = max(lengths) + max_new_tokens - 1  # positions ever fed
     tokens = torch.zeros(len(prompts), span + 1, dtype=torch.long)
     for i, prompt in enumerate(prompts):

@@ -10,6 +10,7 @@ Each task prints a table and writes <out>/<task>.json (see docs/inference.md).
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -84,10 +85,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     model, run = load_checkpoint(parser, args)
     out = Path(args.out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
         result = run_task(model, run, args, out)
     except (OSError, ValueError) as e:
+        if created:  # a failed task leaves no empty --out behind
+            shutil.rmtree(out, ignore_errors=True)
         parser.error(f"--task {args.task}: {e}")
     result["checkpoint"] = args.checkpoint
     (out / f"{args.task}.json").write_text(json.dumps(result, indent=1) + "\n")

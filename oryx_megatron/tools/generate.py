@@ -103,9 +103,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         stops = stop_ids(tokenizer, args.stop)
     except (OSError, ValueError, PrepError) as e:
         parser.error(str(e))
+    if tokenizer.vocab_size > run.model.vocab_size:  # its ids would index past the model's embedding
+        parser.error(f"the tokenizer's vocab ({tokenizer.vocab_size}) is larger than the model's "
+                     f"model.vocab_size={run.model.vocab_size} ({args.checkpoint})")
     encoded = [ids.tolist() for ids in tokenizer.encode_batch(prompts)]
     if any(not ids for ids in encoded):
         parser.error("a prompt encodes to no tokens")
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    total = len(encoded[longest]) + args.max_new_tokens
+    if total > run.model.max_sequence_length:
+        parser.error(f"prompt {longest}: {len(encoded[longest])} tokens + --max-new-tokens {args.max_new_tokens} = "
+                     f"{total} exceeds the model's max_sequence_length {run.model.max_sequence_length}")
     result = generate(model, encoded, args.schedule, args.max_new_tokens, sampling=sampling,
                       stop_token_ids=stops, vocab_size=tokenizer.vocab_size)
     for i, (prompt, tokens, reason) in enumerate(zip(prompts, result.tokens, result.finish_reasons)):

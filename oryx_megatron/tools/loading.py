@@ -6,6 +6,7 @@ The tokenizers live in ``data_prep``, which only the tools layer may import; the
 """
 
 import argparse
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -56,7 +57,17 @@ def load_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace):
         resolve_checkpoint(args.checkpoint)
     except FileNotFoundError as e:
         parser.error(f"checkpoint {e}")
-    return load_for_inference(args.checkpoint, args.device, args.dtype)
+    try:
+        return load_for_inference(args.checkpoint, args.device, args.dtype)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # a corrupt or foreign checkpoint
+        if os.environ.get("ORYX_DEBUG", "") not in ("", "0"):
+            raise
+        parser.error(f"checkpoint {args.checkpoint}: cannot load it: {_one_line(e)}")
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 def dataset_tokenizer(run: TrainConfig, spec: Optional[str]) -> AnyTokenizer:

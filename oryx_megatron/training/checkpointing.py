@@ -9,12 +9,27 @@ Layout of ``checkpoint.dir``::
 A checkpoint saved at one TP/PP layout loads at another (the model and optimizer are
 sharded tensors); the RNG states are restored only at the layout they were saved at.
 Checkpoints written before a parameter was renamed load too (``load_sharded``).
+
+Every checkpoint is verified before megatron reads it (``verify_checkpoint``): each file is
+present, no shard is shorter than ``.metadata`` says, and every pickle in it loads with
+restricted unpicklers (``.metadata``: only torch.distributed.checkpoint's metadata classes;
+``common.pt`` and the byte objects inside the shards: ``torch.load(weights_only=True)``), so
+the unrestricted ``pickle.load`` / ``torch.load(weights_only=False)`` that megatron and
+torch.distributed.checkpoint then run over the same bytes execute no code. A damaged
+checkpoint raises one ``CheckpointError`` naming the file; resuming skips it for the newest
+good one (``latest_checkpoint``).
 """
 
+import importlib
+import io
+import json
+import logging
 import os
+import pickle
 import re
+import shutil
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -23,9 +38,16 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from omegaconf import DictConfig
+
+logger = logging.getLogger("oryx_megatron.train")
 
 LATEST = "latest"
 RUN_CONFIG = "run_config.yaml"
+METADATA = ".metadata"  # torch.distributed.checkpoint's pickled Metadata: which bytes of which shard hold what
+COMMON = "common.pt"  # megatron's non-sharded state (iteration, scheduler, loader, optimizer param groups)
+CONFIG = "metadata.json"  # megatron's format marker, written last by dist_checkpointing.save
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 # Sharded keys renamed since checkpoints were written: (new spelling, old spelling), in order.
 # Optimizer states are keyed by their parameter's key, so they follow.
@@ -40,14 +62,197 @@ def iteration_dir(ckpt_dir: str, iteration: int) -> Path:
     return Path(ckpt_dir) / f"iter_{iteration:07d}"
 
 
-def latest_checkpoint(ckpt_dir: Optional[str]) -> Optional[Path]:
-    """The checkpoint `latest` points to, or None when there is none yet."""
+class CheckpointError(FileNotFoundError):
+    """A checkpoint that cannot be loaded; the message names the checkpoint and the file. A
+    FileNotFoundError (the checkpoint, as a whole, is not there) so that the tools' checkpoint
+    argument check reports it in one line."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path} is damaged: {reason}")
+        self.path, self.reason = Path(path), reason
+
+
+def iteration_of(path: Path) -> Optional[int]:
+    match = _ITER_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoints(ckpt_dir: str) -> List[Path]:
+    """The iter_NNNNNNN directories of ckpt_dir, oldest first (complete or not)."""
+    if not ckpt_dir or not Path(ckpt_dir).is_dir():
+        return []
+    found = [p for p in Path(ckpt_dir).iterdir() if p.is_dir() and iteration_of(p) is not None]
+    return sorted(found, key=iteration_of)
+
+
+def latest_name(ckpt_dir: Optional[str]) -> Optional[Path]:
+    """The checkpoint `latest` names (unverified; it may be missing), or None without `latest`."""
     if not ckpt_dir or not (Path(ckpt_dir) / LATEST).exists():
         return None
-    path = Path(ckpt_dir) / (Path(ckpt_dir) / LATEST).read_text().strip()
+    return Path(ckpt_dir) / (Path(ckpt_dir) / LATEST).read_text().strip()
+
+
+def latest_checkpoint(ckpt_dir: Optional[str], fallback: bool = True) -> Optional[Path]:
+    """The checkpoint to resume from: the one `latest` names, verified; when it is damaged
+    (``fallback``) the newest older checkpoint that verifies, logging each one skipped and why.
+    None when there is no `latest` yet; CheckpointError when no candidate is intact (or,
+    without ``fallback``, when the one `latest` names is damaged)."""
+    named = latest_name(ckpt_dir)
+    if named is None:
+        return None
+    candidates = [named]
+    if fallback and iteration_of(named) is not None:
+        candidates += [p for p in reversed(checkpoints(ckpt_dir)) if iteration_of(p) < iteration_of(named)]
+    first_error = None
+    for path in candidates:
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as e:
+            if not fallback:
+                raise
+            first_error = first_error or e
+            logger.warning("skipping damaged checkpoint %s: %s", path, e.reason)
+    raise CheckpointError(first_error.path, f"{first_error.reason}; no older checkpoint in {ckpt_dir} is intact")
+
+
+# The globals a torch.distributed.checkpoint ``.metadata`` pickle may name (torch 2.x).
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a ``.metadata`` file, refusing any global but the metadata classes and dtypes."""
+
+    def find_class(self, module, name):
+        if "." not in name:  # no dotted paths through a module's imports
+            if (module, name) in _METADATA_GLOBALS:
+                return super().find_class(module, name)
+            if module in _METADATA_MODULES:  # a class (dataclass, enum) defined there, nothing it imported
+                found = getattr(importlib.import_module(module), name, None)
+                if isinstance(found, type) and found.__module__ == module:
+                    return found
+            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+                return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refuses to load global {module}.{name}")
+
+
+def _read(path: Path, name: str, parse):
+    try:
+        return parse(path / name)
+    except FileNotFoundError:
+        raise CheckpointError(path, f"{name} is missing") from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated, garbled or unsafe: one message naming the file
+        size = (path / name).stat().st_size if (path / name).exists() else 0
+        detail = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(path, f"{name} is truncated or unreadable ({size} bytes: {detail[:160]})") from None
+
+
+def _load_metadata(file: Path):
+    with open(file, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise CheckpointError (naming the file) unless every file of the checkpoint at ``path``
+    is present and readable: metadata.json, run_config.yaml, common.pt (weights_only), .metadata
+    (restricted unpickler), every ``__N_M.distcp`` shard it names at least as long as the byte
+    ranges it lists, and every byte object in the shards (weights_only). Contents are not
+    checksummed (the format has no checksums): a shard of the right length with flipped bits
+    is not detected."""
+    path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{Path(ckpt_dir) / LATEST} points to {path}, which does not exist")
-    return path
+        raise CheckpointError(path, "the directory does not exist")
+    config = _read(path, CONFIG, lambda f: json.loads(f.read_text()))
+    if not isinstance(config, dict) or config.get("sharded_backend") != "torch_dist":
+        raise CheckpointError(path, f"{CONFIG} is not a torch_dist checkpoint's ({config!r})")
+    _read(path, RUN_CONFIG, _load_yaml)
+    common = _read(path, COMMON, lambda f: torch.load(f, map_location="cpu", weights_only=True))
+    if not isinstance(common, dict) or "iteration" not in common:
+        raise CheckpointError(path, f"{COMMON} holds no training state")
+    metadata = _read(path, METADATA, _load_metadata)
+    try:
+        storage = dict(metadata.storage_data)
+        items = metadata.state_dict_metadata
+    except (AttributeError, TypeError):
+        raise CheckpointError(path, f"{METADATA} is not a checkpoint metadata") from None
+    needed = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name in sorted(needed):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(path, f"{name} is missing (named by {METADATA})")
+        size = file.stat().st_size
+        if size < needed[name]:
+            raise CheckpointError(path, f"{name} is truncated ({size} bytes, {METADATA} needs {needed[name]})")
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    byte_keys = {key for key, item in items.items() if isinstance(item, BytesStorageMetadata)}
+    for index, info in storage.items():
+        if index.fqn in byte_keys:
+            with open(path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            try:
+                torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as e:
+                detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise CheckpointError(path, f"{info.relative_path}: object {index.fqn} is unreadable ({detail[:200]})") \
+                    from None
+
+
+def _load_yaml(file: Path):
+    """The run config, typed against the schema (yaml.SafeLoader underneath: no code runs). A
+    file cut short within its first sections fails here; one cut in its last sections may not."""
+    from omegaconf import OmegaConf
+
+    from oryx_megatron.training.config import TrainConfig
+
+    loaded = OmegaConf.load(file)
+    if not isinstance(loaded, DictConfig) or "model" not in loaded:
+        raise ValueError("no model section")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), loaded))
+
+
+def apply_retention(ckpt_dir: str, keep_last: Optional[int], keep_every: Optional[int]) -> List[Path]:
+    """Delete the checkpoints retention does not keep: it keeps the ``keep_last`` newest (None:
+    all), every iteration divisible by ``keep_every``, and always the one `latest` names.
+    Directories newer than `latest` (a save that did not finish) are left alone; the next save
+    of that iteration replaces them. Returns the deleted directories."""
+    if keep_last is None:
+        return []
+    named = latest_name(ckpt_dir)
+    if named is None:
+        return []
+    newest = iteration_of(named)
+    complete = [p for p in checkpoints(ckpt_dir) if newest is None or iteration_of(p) <= newest]
+    keep: Set[Path] = set(complete[-keep_last:]) | {named}
+    if keep_every:
+        keep |= {p for p in complete if iteration_of(p) % keep_every == 0}
+    deleted = []
+    for path in complete:
+        if path not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+    if deleted:
+        logger.info("retention (keep_last=%s, keep_every=%s): deleted %s", keep_last, keep_every,
+                    ", ".join(p.name for p in deleted))
+    return deleted
+
+
+def check_retention(keep_last: Optional[int], keep_every: Optional[int]) -> None:
+    from oryx_megatron.training.config import ConfigError
+
+    for key, value in (("checkpoint.keep_last", keep_last), ("checkpoint.keep_every", keep_every)):
+        if value is not None and value < 1:
+            raise ConfigError(f"config key '{key}': {value} must be positive (or null)")
 
 
 def old_key(key: str) -> str:
@@ -103,12 +308,30 @@ def _sharded_state(model_chunks, optimizer, is_loading: bool, with_rng: bool) ->
 
 
 def save_checkpoint(ckpt_dir: str, iteration: int, model_chunks, optimizer, scheduler, loader,
-                    run_config_yaml: str) -> Path:
-    """Save on every rank; `latest` moves only once every rank has finished writing."""
+                    run_config_yaml: str, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
+                    extra: Optional[dict] = None) -> Path:
+    """Save on every rank; `latest` moves only once every rank has finished writing, then rank 0
+    applies retention. The directory starts empty: a leftover of a save that did not finish (it
+    is never the one `latest` names) is removed first. run_config.yaml is written after megatron's
+    files and before `latest` moves; a crash in between leaves a directory that `latest` does not
+    name, which verification rejects and the next save of that iteration replaces. ``extra``:
+    more non-sharded state (e.g. the W&B run id), saved in common.pt."""
     path = iteration_dir(ckpt_dir, iteration)
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / RUN_CONFIG).write_text(run_config_yaml)
+        named = latest_name(ckpt_dir)
+        if path.exists() and named is not None and path.resolve() == named.resolve():
+            # a fresh run (checkpoint.load=false) in a used dir: `latest` must not name it while it is rewritten
+            older = [p for p in checkpoints(ckpt_dir) if iteration_of(p) < iteration]
+            logger.warning("overwriting %s; `latest` names %s until the save completes", path,
+                           older[-1].name if older else "nothing")
+            if older:
+                _write_latest(ckpt_dir, older[-1].name)
+            else:
+                (Path(ckpt_dir) / LATEST).unlink()
+        elif path.exists():
+            logger.warning("removing %s: a save of iteration %d that did not finish", path, iteration)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
     dist.barrier()
     state = _sharded_state(model_chunks, optimizer, is_loading=False, with_rng=True)
     state.update(
@@ -116,20 +339,33 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model_chunks, optimizer, sche
         scheduler=scheduler.state_dict(),
         loader=loader.state_dict(),
         layout=_layout(),
+        **(extra or {}),
     )
     dist_checkpointing.save(state, str(path))
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp = Path(ckpt_dir) / f"{LATEST}.tmp"
-        tmp.write_text(path.name + "\n")
-        os.replace(tmp, Path(ckpt_dir) / LATEST)
+        (path / RUN_CONFIG).write_text(run_config_yaml)
+        _write_latest(ckpt_dir, path.name)
+        apply_retention(ckpt_dir, keep_last, keep_every)
     dist.barrier()
     return path
 
 
+def _write_latest(ckpt_dir: str, name: str) -> None:
+    tmp = Path(ckpt_dir) / f"{LATEST}.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, Path(ckpt_dir) / LATEST)
+
+
+def load_common(path: Path) -> dict:
+    """The non-sharded state of a verified checkpoint (common.pt, weights_only)."""
+    return torch.load(Path(path) / COMMON, map_location="cpu", weights_only=True)
+
+
 def load_checkpoint(path: Path, model_chunks, optimizer, scheduler, loader) -> int:
-    """Restore everything saved at `path`; returns the iteration to continue from."""
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    """Restore everything saved at `path` (verified first); returns the iteration to continue from."""
+    verify_checkpoint(path)
+    common = load_common(path)
     same_layout = common["layout"] == _layout()
     state = load_sharded(_sharded_state(model_chunks, optimizer, is_loading=True, with_rng=same_layout), path)
     for i, chunk in enumerate(model_chunks):

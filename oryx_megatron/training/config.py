@@ -58,6 +58,7 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     overlap_grad_reduce: bool = False
+    distributed_timeout_minutes: float = 10.0  # a collective waiting longer (a dead or hung rank) fails the run
 
 
 @dataclass
@@ -74,6 +75,9 @@ class TrainingConfig:
     eval_schedules: List[str] = field(default_factory=lambda: ["all_attention", "all_linear"])
     bf16: bool = False
     recompute_activations: bool = False  # full recomputation of every layer in the backward
+    max_skipped_steps: int = 5  # this many non-finite (skipped) optimizer steps in a row stop the run
+    loss_spike_window: int = 50  # loss spikes: a loss above mean + threshold x std of this many previous steps
+    loss_spike_threshold: float = 4.0  # ... is logged as a spike (train/loss_spikes); <= 0 disables the detector
 
 
 @dataclass
@@ -82,6 +86,8 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     save_at_end: bool = True
     load: bool = True
+    keep_last: Optional[int] = None  # after each save, delete all but the N newest (None: keep all)
+    keep_every: Optional[int] = None  # with keep_last: also keep every iteration divisible by this
 
 
 @dataclass

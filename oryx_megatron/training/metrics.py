@@ -41,36 +41,71 @@ def git_commit() -> Optional[str]:
 
 
 class MetricsLogger:
-    """Console + W&B + history for the loss curve; active on the logging rank only."""
+    """Console + metrics.jsonl + W&B + the loss curve; active on the logging rank only.
+
+    ``start`` (called by ``Trainer.resume``) begins the run's records at the iteration training
+    continues from: rows of later iterations are dropped from ``metrics.jsonl`` (they were never
+    checkpointed and are about to be logged again), and W&B continues the run ``run_id`` (stored
+    in the checkpoint) with ``resume="allow"``. The loss curve is drawn from the whole
+    ``metrics.jsonl``: one curve across resumes into the same output directory."""
 
     def __init__(self, active: bool, logging_config, output_dir: Path, run_config: dict):
         self.active, self.output_dir = active, Path(output_dir)
         if active:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.logging_config, self.run_config = logging_config, run_config
         self.history: List[Dict[str, float]] = []
         self.wandb = None
-        if not active or logging_config.wandb_mode == "disabled":
+        self.started = False
+
+    @property
+    def path(self) -> Path:
+        return self.output_dir / "metrics.jsonl"
+
+    def start(self, iteration: Optional[int] = None, run_id: Optional[str] = None) -> None:
+        """Begin logging at ``iteration`` (None: keep every row already in metrics.jsonl); W&B
+        run ``run_id`` (None: a new one)."""
+        self.started = True
+        if not self.active:
+            return
+        if iteration is not None:
+            self._truncate_after(iteration)
+        if self.logging_config.wandb_mode == "disabled":
             return
         try:
             import wandb
 
             self.wandb = wandb.init(
-                mode=logging_config.wandb_mode,
-                project=logging_config.wandb_project,
-                entity=logging_config.wandb_entity,
-                name=logging_config.run_name,
+                mode=self.logging_config.wandb_mode,
+                project=self.logging_config.wandb_project,
+                entity=self.logging_config.wandb_entity,
+                name=self.logging_config.run_name,
                 dir=str(self.output_dir),
-                config={**run_config, "git_commit": git_commit()},
+                config={**self.run_config, "git_commit": git_commit()},
+                id=run_id,
                 resume="allow",
             )
         except Exception as e:  # W&B must never kill training
             logger.warning("W&B disabled: init failed (%r)", e)
 
+    def _truncate_after(self, iteration: int) -> None:
+        rows = read_rows(self.path)
+        kept = [row for row in rows if row.get("iteration", 0) <= iteration]
+        if len(kept) == len(rows):
+            return
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        tmp.replace(self.path)
+        logger.info("%s: dropped %d rows after iteration %d (not in the checkpoint resumed from)",
+                    self.path, len(rows) - len(kept), iteration)
+
     def log(self, iteration: int, metrics: Dict[str, float], console: bool = True) -> None:
+        if not self.started:
+            self.start()
         if not self.active:
             return
         self.history.append({"iteration": iteration, **metrics})
-        with open(self.output_dir / "metrics.jsonl", "a") as f:
+        with open(self.path, "a") as f:
             f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         if console:
             logger.info(format_line(iteration, metrics))
@@ -82,10 +117,10 @@ class MetricsLogger:
                 self.wandb = None
 
     def finish(self) -> Optional[Path]:
-        """Write the loss curve PNG; close W&B. Returns the PNG path."""
+        """Write the loss curve PNG (every row of metrics.jsonl); close W&B. Returns the PNG path."""
         if not self.active:
             return None
-        png = plot_loss_curve(self.history, self.output_dir / "loss_curve.png")
+        png = plot_loss_curve(read_rows(self.path) or self.history, self.output_dir / "loss_curve.png")
         if self.wandb is not None:
             try:
                 logger.info("W&B run (%s): %s", self.wandb.settings.mode, Path(self.wandb.dir).parent)
@@ -93,6 +128,19 @@ class MetricsLogger:
             except Exception as e:
                 logger.warning("W&B finish failed (%r)", e)
         return png
+
+
+def read_rows(path: Path) -> List[dict]:
+    """The rows of a metrics.jsonl (none when it is missing); a torn last line is skipped."""
+    if not Path(path).exists():
+        return []
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def format_line(iteration: int, m: Dict[str, float]) -> str:

@@ -7,7 +7,7 @@ import torch
 
 from oryx_megatron.data.loader import ShardLoader, parse_blend
 from oryx_megatron.data.modes import random_chunks
-from oryx_megatron.data.shards import Manifest, ShardWriter
+from oryx_megatron.data.shards import Manifest, ShardWriter, read_documents
 
 SCHEDULE = {"name": "random_chunks", "chunk_size": 8, "p_attention": 0.5}
 
@@ -37,8 +37,6 @@ def test_batches_follow_the_contract(dataset):
         assert (batch["tokens"][:, 1:] == batch["labels"][:, :-1]).all()
         indices = range(k * 6 + 3, k * 6 + 6)  # global samples of rank 1's k-th micro-batch
         assert torch.equal(batch["modes"], random_chunks(8, 0.5).batch(32, indices, seed=7))
-    rows = torch.cat([b["tokens"] for b in batches]), torch.cat([b["labels"] for b in batches])
-    assert (rows[0][1:, 0] == rows[1][:-1, -1]).all()  # windows overlap by one token
     assert loader.consumed_samples == 24 and loader.eod_id == 256 and loader.vocab_size == 257
 
 
@@ -52,22 +50,36 @@ def test_same_seed_same_batches_across_runs_and_worker_counts(dataset, second_da
     assert not _same(reference, _take(_loader(blend, seed=8), 40))
 
 
-def _documents(tokens, eod):
-    return " ".join(map(str, tokens)).split(f" {eod}")
+def epoch_windows(manifest, seq_len, seed, epoch, source=0):
+    """The documented layout, rebuilt from the shards: the epoch's windows in stream order."""
+    docs = [d for shard in manifest.shards for d in read_documents(manifest.shard_path(shard))]
+    order = np.random.default_rng([seed, source, epoch, 2]).permutation(len(docs))
+    stream = np.concatenate([np.append(docs[i], manifest.eod_id) for i in order])
+    n = (len(stream) - 1) // seq_len
+    return [tuple(stream[w * seq_len:w * seq_len + seq_len + 1].tolist()) for w in range(n)]
 
 
-def test_dp_ranks_read_disjoint_data_that_covers_the_epoch(dataset):
-    per_rank = (dataset.tokens + dataset.documents) // 2  # 2 shards of 10 equal documents per rank
-    seen = []
-    for rank in (0, 1):
-        loader, tokens = _loader(dataset.root, dp_rank=rank, dp_size=2), []
-        while len(tokens) < per_rank:
-            tokens += next(loader)["tokens"].flatten().tolist()
-        docs = _documents(tokens[:per_rank], dataset.eod_id)
-        assert docs[-1] == "" and len(docs) == 21
-        seen.append(set(docs[:-1]))
-    assert not seen[0] & seen[1]
-    assert len(seen[0] | seen[1]) == dataset.documents
+def _rows(batches):
+    return [tuple(row) for b in batches for row in torch.cat([b["tokens"], b["labels"][:, -1:]], 1).tolist()]
+
+
+def test_an_epoch_is_a_permutation_of_all_windows_of_shuffled_documents(dataset):
+    windows = epoch_windows(dataset, 32, 7, epoch=0)
+    assert len(windows) == (dataset.tokens + dataset.documents - 1) // 32 == 51
+    rows = _rows(_take(_loader(dataset.root, micro_batch_size=3), 17))
+    assert len(rows) == 51 and sorted(rows) == sorted(windows)  # the same multiset: every window once
+    assert rows != windows  # visited in a shuffled order
+    second = _rows(_take(_loader(dataset.root, micro_batch_size=3), 34)[17:])
+    assert sorted(second) == sorted(epoch_windows(dataset, 32, 7, epoch=1)) and second != rows
+
+
+def test_global_samples_do_not_depend_on_the_data_parallel_layout(dataset, second_dataset):
+    blend = [0.6, dataset.root, 0.4, second_dataset.root]
+    one = _rows(_take(_loader(blend, micro_batch_size=4), 10))
+    for dp in (2, 4):
+        ranks = [_take(_loader(blend, micro_batch_size=4 // dp, dp_rank=r, dp_size=dp), 10) for r in range(dp)]
+        merged = [row for k in range(10) for r in range(dp) for row in _rows([ranks[r][k]])]
+        assert merged == one
 
 
 def test_resume_continues_exactly(dataset, second_dataset):
@@ -88,13 +100,14 @@ def test_resume_with_another_dp_size(dataset, second_dataset):
     old = _loader(blend, dp_rank=0, dp_size=2)
     _take(old, 10)
     state = old.state_dict()
-    assert state["consumed_samples"] == 60 and state["source_samples"] == [15, 15]
+    assert state["consumed_samples"] == 60 and state["source_samples"] == [30, 30]
     new = _loader(blend, dp_rank=3, dp_size=4)
     new.load_state_dict(state)
-    assert new.state_dict()["source_samples"] == [7, 7]  # same overall depth: 2 x 15 = 4 x 7.5
     batch = next(new)
     assert torch.equal(batch["modes"], random_chunks(8, 0.5).batch(32, range(69, 72), seed=7))
     assert new.consumed_samples == 72
+    reference = _take(_loader(blend, micro_batch_size=12), 6)[-1]  # global samples 60..71 at dp=1
+    assert all(torch.equal(batch[k], reference[k][9:]) for k in batch)
 
 
 def test_blend_follows_weights(dataset, second_dataset):

@@ -33,14 +33,17 @@ def _mixed_corpus(tmp_path):
     return expand_inputs([str(jsonl), str(parquet), str(tmp_path / "txt")]), docs
 
 
-def _stream(manifest, seq_len=32):
-    """The first epoch of a one-rank loader's token stream, cut into documents at EOD."""
-    loader = ShardLoader(manifest.root, seq_len=seq_len, micro_batch_size=4, seed=5)
+def _stream(manifest):
+    """The first epoch of a one-rank loader's token stream, cut into documents at EOD: its
+    samples (windows of 2 tokens, seq_len 1, which cover the whole stream) put back in stream
+    order by the documented sample permutation (docs/data.md)."""
     length = manifest.tokens + manifest.documents
-    tokens = []
-    while len(tokens) < length:
-        tokens += next(loader)["tokens"].flatten().tolist()
-    docs = " ".join(map(str, tokens[:length])).split(f" {manifest.eod_id}")
+    loader = ShardLoader(manifest.root, seq_len=1, micro_batch_size=length - 1, seed=5)
+    batch = next(loader)
+    tokens = [0] * length
+    for k, w in enumerate(np.random.default_rng([5, 0, 0, 3]).permutation(length - 1)):
+        tokens[w:w + 2] = [int(batch["tokens"][k, 0]), int(batch["labels"][k, 0])]
+    docs = " ".join(map(str, tokens)).split(f" {manifest.eod_id}")
     assert docs[-1] == ""  # the epoch ends with an EOD
     return sorted(tuple(map(int, d.split())) for d in docs[:-1])
 

@@ -1,0 +1,195 @@
+"""Damaged checkpoints, retention and resume continuity (issue #15, items 2 and 5).
+
+A truncated or missing file of the latest checkpoint: resume skips it for the previous good one
+(logging which and why) and continues with the losses of an uninterrupted run; oryx-eval stops
+with one line naming the file. Retention keeps the expected iterations. After a resume,
+metrics.jsonl holds each iteration once, the loss curve is drawn from all of it, and W&B
+continues the same run. No save logs megatron's "Overwriting old incomplete" warning.
+"""
+
+import json
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from oryx_megatron.inference.checkpoint import load_model
+from oryx_megatron.train import pretrain
+from oryx_megatron.training import checkpointing, metrics
+from oryx_megatron.training.checkpointing import CheckpointError, apply_retention, verify_checkpoint
+from tests.test_train import losses, run_config
+
+# 6 iterations of a 1-layer model, a checkpoint every 2
+COMMON = ["model.num_layers=1", "train.train_iters=6", "checkpoint.save_interval=2"]
+OVERWRITE_WARNING = "Overwriting old incomplete"
+
+
+def rows(output_dir):
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    """train/loss of 6 uninterrupted iterations."""
+    tmp = tmp_path_factory.mktemp("straight")
+    assert pretrain(run_config(corpus, tmp, "model.num_layers=1", "train.train_iters=6"), str(tmp / "out")) == 0
+    return losses(tmp / "out")
+
+
+@pytest.fixture(scope="module")
+def stopped(corpus, tmp_path_factory):
+    """A run stopped after 4 of its 6 iterations: checkpoints at 2 and 4 (`latest`), metrics of 1..4."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    assert pretrain(run_config(corpus, tmp, *COMMON, "train.exit_interval=4"), str(tmp / "out")) == 0
+    assert (tmp / "ckpt/latest").read_text().strip() == "iter_0000004"
+    return tmp
+
+
+def copy_of(stopped: Path, tmp_path: Path) -> Path:
+    shutil.copytree(stopped, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def truncate(file: Path) -> None:
+    os.truncate(file, file.stat().st_size // 2)
+
+
+DAMAGES = {  # name: (file of iter_0000004, what is done to it, the reason logged)
+    "shard": ("__0_0.distcp", truncate, "__0_0.distcp is truncated ("),
+    "second_shard": ("__0_1.distcp", Path.unlink, "__0_1.distcp is missing (named by .metadata)"),
+    "common": ("common.pt", truncate, "common.pt is truncated or unreadable ("),
+    "metadata": (".metadata", truncate, ".metadata is truncated or unreadable ("),
+    "metadata_json": ("metadata.json", Path.unlink, "metadata.json is missing"),
+    "run_config": ("run_config.yaml", lambda f: f.write_text(""), "run_config.yaml is truncated or unreadable ("),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_checkpoint_is_skipped_and_training_continues_exactly(corpus, stopped, straight, tmp_path,
+                                                                         caplog, damage):
+    name, spoil, reason = DAMAGES[damage]
+    run = copy_of(stopped, tmp_path)
+    spoil(run / "ckpt/iter_0000004" / name)
+    with caplog.at_level(logging.INFO):
+        assert pretrain(run_config(corpus, run, *COMMON), str(run / "out")) == 0
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping damaged checkpoint")]
+    assert len(skipped) == 1 and skipped[0].startswith(
+        f"skipping damaged checkpoint {run / 'ckpt/iter_0000004'}: {reason}"), skipped
+    assert f"resumed from {run / 'ckpt/iter_0000002'} at iteration 2" in caplog.text
+    assert OVERWRITE_WARNING not in caplog.text
+    # metrics.jsonl: 1..2 of the stopped run (3, 4 dropped: not in iter_2), 3..6 of this one
+    assert [row["iteration"] for row in rows(run / "out")] == [1, 2, 3, 4, 5, 6]
+    assert losses(run / "out") == straight  # exact, not approximately
+    assert (run / "ckpt/latest").read_text().strip() == "iter_0000006"
+    verify_checkpoint(run / "ckpt/iter_0000004")  # saved again, intact
+
+
+def test_a_save_cut_off_before_latest_moved_is_replaced(corpus, stopped, straight, tmp_path, caplog):
+    """A crash after megatron's files but before run_config.yaml and `latest`: `latest` still
+    names iter_2, the leftover iter_4 is removed and saved again, without megatron's warning."""
+    run = copy_of(stopped, tmp_path)
+    (run / "ckpt/iter_0000004/run_config.yaml").unlink()
+    (run / "ckpt/latest").write_text("iter_0000002\n")
+    with caplog.at_level(logging.INFO):
+        assert pretrain(run_config(corpus, run, *COMMON), str(run / "out")) == 0
+    assert "skipping damaged checkpoint" not in caplog.text
+    assert f"removing {run / 'ckpt/iter_0000004'}: a save of iteration 4 that did not finish" in caplog.text
+    assert OVERWRITE_WARNING not in caplog.text
+    assert losses(run / "out") == straight
+    verify_checkpoint(run / "ckpt/iter_0000004")
+
+
+def test_saves_log_no_overwriting_warning(corpus, tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        assert pretrain(run_config(corpus, tmp_path, "model.num_layers=1", "train.train_iters=2",
+                                   "checkpoint.save_interval=1"), str(tmp_path / "out")) == 0
+    assert caplog.text.count("saved ") == 2
+    assert OVERWRITE_WARNING not in caplog.text
+
+
+def test_no_intact_checkpoint_is_one_error(stopped, tmp_path):
+    run = copy_of(stopped, tmp_path)
+    for it in ("iter_0000002", "iter_0000004"):
+        (run / "ckpt" / it / "metadata.json").unlink()
+    with pytest.raises(CheckpointError, match=r"iter_0000004 is damaged: metadata.json is missing; no older"):
+        checkpointing.latest_checkpoint(str(run / "ckpt"))
+
+
+class _Payload:
+    def __reduce__(self):
+        return print, ("code ran while unpickling",)
+
+
+def test_a_pickle_that_would_run_code_is_refused(stopped, tmp_path, capsys):
+    run = copy_of(stopped, tmp_path)
+    (run / "ckpt/iter_0000004/.metadata").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(CheckpointError, match=r"\.metadata is truncated or unreadable .*refuses to load global builtins.print"):
+        verify_checkpoint(run / "ckpt/iter_0000004")
+    torch.save({"iteration": 4, "x": _Payload()}, run / "ckpt/iter_0000002/common.pt")
+    with pytest.raises(CheckpointError, match=r"common\.pt is truncated or unreadable"):
+        verify_checkpoint(run / "ckpt/iter_0000002")
+    assert "code ran" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", ["run_dir", "iteration_dir"])
+def test_oryx_eval_on_a_damaged_checkpoint_is_one_line(stopped, tmp_path, capsys, target):
+    from oryx_megatron.tools.evaluate import main
+
+    run = copy_of(stopped, tmp_path)
+    truncate(run / "ckpt/iter_0000004/__0_0.distcp")
+    arg = run / "ckpt" if target == "run_dir" else run / "ckpt/iter_0000004"
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg), "--task", "ppl", "--out", str(tmp_path / "eval")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    error_lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, err
+    assert (f"error: checkpoint {run / 'ckpt/iter_0000004'} is damaged: __0_0.distcp is truncated ("
+            in error_lines[0]), err
+    with pytest.raises(CheckpointError, match="__0_0.distcp is truncated"):  # inference loading, no fallback
+        load_model(str(run / "ckpt"))
+
+
+def test_retention_keeps_the_newest_and_every_mth(corpus, tmp_path):
+    run = run_config(corpus, tmp_path, "model.num_layers=1", "train.train_iters=5", "checkpoint.save_interval=1",
+                     "checkpoint.keep_last=2", "checkpoint.keep_every=2")
+    assert pretrain(run, str(tmp_path / "out")) == 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "iter_0000002", "iter_0000004", "iter_0000005", "latest"]
+
+
+def test_retention_never_deletes_latest_nor_unfinished_saves(tmp_path):
+    for it in range(1, 11):
+        (tmp_path / f"iter_{it:07d}").mkdir()
+    (tmp_path / "latest").write_text("iter_0000008\n")  # 9, 10: saves that did not finish
+    deleted = apply_retention(str(tmp_path), keep_last=1, keep_every=3)
+    assert sorted(p.name for p in deleted) == [f"iter_{it:07d}" for it in (1, 2, 4, 5, 7)]
+    assert apply_retention(str(tmp_path), keep_last=None, keep_every=None) == []
+
+
+def test_resume_continues_the_metrics_curve_and_the_wandb_run(corpus, tmp_path, monkeypatch):
+    plotted = []
+    plot = metrics.plot_loss_curve
+    monkeypatch.setattr(metrics, "plot_loss_curve",
+                        lambda history, path: plotted.append([r["iteration"] for r in history]) or plot(history, path))
+    args = ["model.num_layers=1", "train.train_iters=3", "train.exit_interval=2", "checkpoint.save_at_end=true",
+            "logging.wandb_mode=offline"]
+    out = tmp_path / "out"
+    assert pretrain(run_config(corpus, tmp_path, *args), str(out)) == 0  # 1, 2, saved at 2
+    with open(out / "metrics.jsonl", "a") as f:  # an iteration logged after the last save, then a crash
+        f.write(json.dumps({"iteration": 3, "train/loss": 9.0}) + "\n")
+    assert pretrain(run_config(corpus, tmp_path, *args), str(out)) == 0  # 3, saved at 3
+    assert [row["iteration"] for row in rows(out)] == [1, 2, 3]
+    assert 9.0 not in losses(out)
+    assert plotted == [[1, 2], [1, 2, 3]]
+    assert (out / "loss_curve.png").stat().st_size > 0
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2, runs
+    ids = {r.name.rsplit("-", 1)[1] for r in runs}
+    saved_id = checkpointing.load_common(tmp_path / "ckpt/iter_0000003")["run_id"]
+    assert ids == {saved_id}
