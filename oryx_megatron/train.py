@@ -115,8 +115,15 @@ class Trainer:
         self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1  # on the last pipeline stage
         logger.setLevel(logging.INFO if self.is_logging_rank else logging.WARNING)
         logging.getLogger("megatron").setLevel(logging.WARNING)
-        self._resources = ExitStack()
+        self._resources = ExitStack()  # the loaders' worker pools and the signal handlers: closed on exit
+        try:
+            self._build(run)
+        except BaseException:
+            self._resources.close()  # a failed build leaves no worker pool behind
+            raise
 
+    def _build(self, run: TrainConfig) -> None:
+        """Model chunks, optimizer, LR schedule, loaders (train, and eval once per run), metrics."""
         self.config = model_config(run)
         self.model = build_model_chunks(run, self.config, current_device())
         self.optimizer = build_optimizer(run, self.model)

@@ -203,3 +203,31 @@ def test_eval_loaders_are_built_once_rewound_and_closed(corpus, tmp_path):
         assert set(first) == {"eval/loss_all_attention", "eval/loss_all_linear"}
         assert len(workers) == 3  # one worker each: the train loader's pool and one pool per eval schedule
     assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_trainer_that_fails_to_build_closes_what_it_opened(corpus, tmp_path, monkeypatch):
+    import oryx_megatron.train as train_module
+    from oryx_megatron.compat.cpu import cuda_to_cpu
+    from oryx_megatron.parallel import initialize_parallel
+
+    pools = []  # the worker pool of every loader the Trainer builds
+
+    def recording_build_loader(*args, **kwargs):
+        loader = build_loader(*args, **kwargs)
+        pools.append(loader._pool)
+        return loader
+
+    def broken_metrics(*args, **kwargs):
+        raise RuntimeError("metrics backend down")
+
+    build_loader = train_module.build_loader
+    monkeypatch.setattr(train_module, "build_loader", recording_build_loader)
+    monkeypatch.setattr(train_module, "MetricsLogger", broken_metrics)  # fails after the loaders are open
+    run = run_config(corpus, tmp_path, "train.train_iters=2", "train.eval_interval=1", "data.num_workers=1")
+    initialize_parallel(seed=run.train.seed)
+    with cuda_to_cpu(), pytest.raises(RuntimeError, match="metrics backend down"):
+        train_module.Trainer(run, str(tmp_path / "out"))
+    assert len(pools) == 3  # train, and one per eval schedule
+    for pool in pools:  # every one was shut down
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            pool.submit(int)
