@@ -206,8 +206,10 @@ _TEXT_CONTROLS = set(b"\t\n\r\f\v\x1b")
 
 
 def binary_reason(path) -> Optional[str]:
-    """Why a text or JSONL input looks binary (a NUL byte, or mostly invalid UTF-8 / control
-    bytes in its first 8 KiB), or None. Parquet files are binary by design: None."""
+    """Why a text or JSONL input looks binary (a NUL byte, or mostly control bytes in its first
+    8 KiB), or None. Invalid UTF-8 alone is not binary: text in a legacy 8-bit encoding (the
+    stdlib has KOI8-R and Latin-1 files) is what --invalid-utf8 decides about. Parquet files are
+    binary by design: None."""
     path = str(path)
     if _kind(path) == "parquet":
         return None
@@ -218,10 +220,9 @@ def binary_reason(path) -> Optional[str]:
         raise PrepError(f"cannot read {path}: {e}") from None
     if b"\0" in head:
         return f"a NUL byte at offset {head.index(0)}"
-    text = head.decode("utf-8", "replace")
-    bad = sum(c == "\ufffd" or (ord(c) < 32 and ord(c) not in _TEXT_CONTROLS) for c in text)
-    if len(head) >= 64 and bad > 0.3 * len(text):
-        return f"{bad} of its first {len(text)} characters are invalid UTF-8 or control bytes"
+    controls = sum(b < 32 and b not in _TEXT_CONTROLS for b in head)
+    if len(head) >= 64 and controls > 0.3 * len(head):
+        return f"{controls} of its first {len(head)} bytes are control bytes"
     return None
 
 

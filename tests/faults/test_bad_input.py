@@ -217,12 +217,19 @@ def test_prep_binary_input(tmp_path):
                                      "pass --allow-binary to tokenize it anyway")
 
 
-def test_prep_mostly_invalid_utf8_input(tmp_path):
-    (tmp_path / "noise.txt").write_bytes(bytes(range(0x80, 0x100)) * 4)
+def test_prep_mostly_control_bytes_input(tmp_path):
+    (tmp_path / "noise.txt").write_bytes(bytes(range(1, 9)) * 64)
     out = prep(tmp_path, tmp_path / "noise.txt", "--tokenizer", "byte")
     assert_prep_error(out, tmp_path, f"oryx-prep: error: {tmp_path / 'noise.txt'} looks binary (512 of its first 512 "
-                                     "characters are invalid UTF-8 or control bytes); pass --allow-binary to tokenize it anyway")
+                                     "bytes are control bytes); pass --allow-binary to tokenize it anyway")
     assert prep(tmp_path, tmp_path / "noise.txt", "--tokenizer", "byte", "--allow-binary").returncode == 0
+
+
+def test_prep_legacy_encoded_text_is_not_binary(tmp_path):
+    # the stdlib (make demo) holds such files, e.g. test/encoded_modules/module_koi8_r.py
+    (tmp_path / "koi8.txt").write_bytes("Привет, мир! Это текст в кодировке KOI8-R.\n".encode("koi8_r") * 8)
+    out = prep(tmp_path, tmp_path / "koi8.txt", "--tokenizer", "byte")
+    assert out.returncode == 0, out.stderr  # decoded by the --invalid-utf8 policy (replace)
 
 
 def test_prep_empty_result_when_training_the_tokenizer(tmp_path):
