@@ -15,7 +15,7 @@ import torch
 from data_prep.tokenizer import EOD_TOKEN, AnyTokenizer, load_tokenizer
 from oryx_megatron.data.loader import parse_blend
 from oryx_megatron.data.shards import Manifest
-from oryx_megatron.inference.checkpoint import load_model, resolve_checkpoint
+from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.training.config import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -54,11 +54,9 @@ def load_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace):
     if not Path(args.checkpoint).is_dir():
         parser.error(f"checkpoint {args.checkpoint}: no such directory")
     try:
-        resolve_checkpoint(args.checkpoint)
-    except FileNotFoundError as e:
-        parser.error(f"checkpoint {e}")
-    try:
         return load_for_inference(args.checkpoint, args.device, args.dtype)
+    except FileNotFoundError as e:  # no checkpoint there, or a damaged one (CheckpointError names the file)
+        parser.error(f"checkpoint {e}")
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # a corrupt or foreign checkpoint
         if os.environ.get("ORYX_DEBUG", "") not in ("", "0"):
             raise

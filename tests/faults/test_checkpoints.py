@@ -190,6 +190,7 @@ def test_resume_continues_the_metrics_curve_and_the_wandb_run(corpus, tmp_path, 
     assert (out / "loss_curve.png").stat().st_size > 0
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2, runs
-    ids = {r.name.rsplit("-", 1)[1] for r in runs}
+    # each offline run holds run-<id>.wandb (its folder name gets a "-1" suffix when both start in one second)
+    ids = {f.stem.split("-", 1)[1] for r in runs for f in r.glob("run-*.wandb")}
     saved_id = checkpointing.load_common(tmp_path / "ckpt/iter_0000003")["run_id"]
     assert ids == {saved_id}
