@@ -562,7 +562,9 @@ def train(overrides: List[str], output_dir: Path) -> List[float]:
 
 
 def metrics(output_dir: Path) -> List[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    from oryx_megatron.training.metrics import read_rows
+
+    return read_rows(output_dir / "metrics.jsonl")
 
 
 def check_training(setup: Setup, report: Report) -> None:
