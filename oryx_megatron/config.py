@@ -25,6 +25,7 @@ class Mode(IntEnum):
 ATTENTION = "attention"
 LINEAR_MIXERS = ("gdn", "mamba2")
 KNOWN_MIXERS = (ATTENTION,) + LINEAR_MIXERS
+KV_GATES = ("none", "silu", "sigmoid")
 
 
 @dataclass
@@ -55,6 +56,10 @@ class OryxConfig(TransformerConfig):
     shared_query: bool = False
     """One query for both mixers: the linear query ``act(conv_q(W_Q x))`` is also the attention
     query, as the key is (ablation A1; the paper reports that sharing hurts). Multi-mixer only."""
+
+    kv_gate: str = "none"
+    """Multiplicative gates on the shared keys and values, computed from the layer input:
+    k_t = act(conv_k(W_K x))_t * gate(W_KG x_t), likewise v; 'none', 'silu' or 'sigmoid'."""
 
     attention_rotary: bool = True
     """Rotary embedding on the attention query and key (inside the attention path only)."""
@@ -95,6 +100,8 @@ class OryxConfig(TransformerConfig):
             raise ValueError(
                 f"mixer_conv_activation={self.mixer_conv_activation!r}: expected 'silu' or None"
             )
+        if self.kv_gate not in KV_GATES:
+            raise ValueError(f"kv_gate={self.kv_gate!r}: expected one of {KV_GATES}")
         if self.shared_query and not self.is_multi_mixer:
             raise ValueError(f"shared_query=True needs two mixers to share it, got mixers={self.mixers!r}")
         if self.attention_rotary and self.kv_channels % 2:

@@ -22,6 +22,7 @@ from oryx_megatron.inference import (
     parse_schedule,
 )
 from oryx_megatron.inference.sampling import top_k_mask, top_p_mask
+from oryx_megatron.layers.multi_mixer import KV_BLOCK
 from oryx_megatron.models.builder import build_model, transformer_config
 from tests.helpers import tiny_args
 
@@ -78,6 +79,16 @@ def test_cached_generation_equals_parallel_recompute(model, schedule):
     assert result.finish_reasons == ["length"] * len(batch)
 
 
+def test_last_token_logits_are_the_last_row(model):
+    """A prefill asks for the last position's logits only: the same numbers, no [b, s, V] tensor."""
+    ids = torch.tensor(prompts([11, 11]))
+    modes = torch.randint(0, 2, ids.shape, generator=torch.Generator().manual_seed(3), dtype=torch.int8)
+    with torch.no_grad():
+        full = model(ids, modes)
+        last = model(ids, modes, last_token_logits=True)
+    assert last.shape == (2, 1, full.shape[-1]) and (last - full[:, -1:]).abs().max() < 1e-12
+
+
 def test_stop_tokens_max_tokens_and_stats(model):
     batch, schedule = prompts(seed=1), as_inference_schedule(switch_at(10))  # a data-layer ModeSchedule
     full = generate(model, batch, schedule, MAX_NEW, vocab_size=VOCAB)
@@ -101,9 +112,9 @@ def test_stop_tokens_max_tokens_and_stats(model):
     assert stats.prefill_tokens + stats.decode_tokens == expected_fed.sum()
     assert stats.attention_fraction == pytest.approx(expected_fed[1] / expected_fed.sum())
     assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
-    # Without stops the cache holds every position fed: max prompt + MAX_NEW - 1.
+    # Static caches: KV buffers for the longest prompt + MAX_NEW, allocated in blocks of KV_BLOCK.
     layers, b, heads, d, fp64 = 2, len(batch), 4, 16, 8
-    positions = max(PROMPT_LENGTHS) + MAX_NEW - 1
+    positions = -(-(max(PROMPT_LENGTHS) + MAX_NEW) // KV_BLOCK) * KV_BLOCK
     assert full.stats.cache_bytes["kv"] == layers * 2 * b * positions * heads * d * fp64
     assert full.stats.cache_bytes["recurrent"] == layers * b * heads * d * d * fp64
 
@@ -117,6 +128,44 @@ def test_sampled_generation_is_reproducible_and_stays_in_vocab(model):
     other = generate(model, batch, LINEAR_PREFILL, MAX_NEW, sampling=other_params, vocab_size=VOCAB)
     assert first.tokens == again.tokens != other.tokens
     assert max(max(t) for t in first.tokens + other.tokens) < VOCAB
+
+
+def test_no_kv_cache_equals_linear_generation_with_the_cache(model):
+    batch = prompts(seed=3)
+    cached = generate(model, batch, ALL_LINEAR, MAX_NEW, vocab_size=VOCAB, output_logits=True)
+    no_kv = generate(model, batch, ALL_LINEAR, MAX_NEW, vocab_size=VOCAB, output_logits=True, kv_cache=False)
+    assert no_kv.tokens == cached.tokens
+    assert all((a - c).abs().max() < 1e-12 for a, c in zip(no_kv.logits, cached.logits))
+    assert no_kv.stats.cache_bytes["kv"] == 0 < cached.stats.cache_bytes["kv"]
+    assert no_kv.stats.cache_bytes["recurrent"] == cached.stats.cache_bytes["recurrent"]
+
+
+def test_no_kv_cache_refuses_an_attention_schedule_before_any_compute(model, monkeypatch):
+    def forward(*args, **kwargs):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(model, "forward", forward)
+    with pytest.raises(ValueError, match=r"no KV cache .*schedule 'prefill=linear decode=attention' makes position 5 "
+                                         r"of prompt 0 read attention; use a linear-only schedule"):
+        generate(model, prompts(), LINEAR_PREFILL, MAX_NEW, vocab_size=VOCAB, kv_cache=False)
+
+
+def test_calls_pass_a_mode_when_all_their_tokens_read_one(model, monkeypatch):
+    """Prefill and steps of one mode get that Mode (the model then runs only its mixer); a mixed
+    call gets the modes tensor."""
+    calls, forward = [], model.forward
+
+    def spy(ids, modes=None, **kwargs):
+        calls.append((ids.shape[1], modes if isinstance(modes, Mode) else "tensor"))
+        return forward(ids, modes, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    generate(model, prompts((5, 5)), LINEAR_PREFILL, 3, vocab_size=VOCAB)
+    assert calls == [(5, Mode.LINEAR), (1, Mode.ATTENTION), (1, Mode.ATTENTION)]
+    calls.clear()
+    # step 5 feeds prompt 1's last token (linear) and prompt 0's first generated token (attention)
+    generate(model, prompts((5, 6)), LINEAR_PREFILL, 3, vocab_size=VOCAB)
+    assert calls == [(5, Mode.LINEAR), (1, "tensor"), (1, Mode.ATTENTION), (1, Mode.ATTENTION)]
 
 
 def test_generate_rejects_bad_arguments(model):
@@ -218,3 +267,20 @@ def test_schedules_give_prompt_and_generated_modes():
 def test_schedule_parse_errors_name_the_bad_part(text, message):
     with pytest.raises(ValueError, match=message):
         parse_schedule(text)
+
+
+# ---- oryx-generate's decoding flags ----
+
+def test_cli_no_kv_cache_and_speculative(tiny_checkpoint, capsys):
+    from oryx_megatron.tools import generate as cli
+
+    common = [tiny_checkpoint, "--prompt", "def ", "--max-new-tokens", "6", "--device", "cpu"]
+    assert cli.main(common + ["--schedule", "all_linear", "--no-kv-cache"]) == 0
+    kv_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("cache kv bytes"))
+    assert kv_row.split()[-1] == "0"
+    assert cli.main(common + ["--schedule", "prefill=linear decode=attention", "--speculative", "3"]) == 0
+    assert "speculative drafted / accepted" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(common + ["--schedule", "prefill=linear decode=attention", "--no-kv-cache"])
+    error = capsys.readouterr().err
+    assert "no KV cache (kv_cache=False / --no-kv-cache): schedule 'prefill=linear decode=attention'" in error

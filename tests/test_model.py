@@ -104,3 +104,46 @@ def test_activation_recomputation_gives_the_same_gradients(monkeypatch):
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-12), name
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+def test_transformer_sdpa_baseline_equals_megatron_masked_softmax(dtype, tolerance):
+    """The baseline's core attention (SDPA, is_causal, no mask) computes what the local spec's
+    DotProductAttention computes over an explicit s x s mask: logits and gradients."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from oryx_megatron.models.builder import TransformerBaseline, _gpt_layer_spec
+
+    args = tiny_args("transformer")
+    config = transformer_config(args, params_dtype=dtype)
+    torch.manual_seed(0)
+    sdpa = build_model(args, config)
+    masked_spec = _gpt_layer_spec("local")
+    masked_spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+    masked = TransformerBaseline(config, masked_spec, vocab_size=padded_vocab_size(args),
+                                 max_sequence_length=args.max_sequence_length,
+                                 share_embeddings_and_output_weights=args.share_embeddings_and_output_weights)
+    masked.load_state_dict(sdpa.state_dict())
+    tokens, labels, _ = batch(args)
+    s = tokens.shape[1]
+    causal_mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+
+    def masked_forward(**kwargs):
+        return GPTModel.forward(masked, tokens, position_ids=None, attention_mask=causal_mask, **kwargs)
+
+    with torch.no_grad():
+        assert (sdpa(tokens) - masked_forward()).abs().max() < tolerance
+    sdpa(tokens, labels=labels).sum().backward()
+    masked_forward(labels=labels).sum().backward()
+    masked_grads = dict(masked.named_parameters())
+    for name, p in sdpa.named_parameters():
+        assert (p.grad - masked_grads[name].grad).abs().max() < tolerance, name
+
+
+def test_transformer_baseline_uses_sdpa_core_attention():
+    from oryx_megatron.layers.gpt_attention import CausalSDPAttention
+
+    model, _ = tiny_model("transformer")
+    attentions = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    assert attentions and all(isinstance(a, CausalSDPAttention) for a in attentions)

@@ -7,8 +7,14 @@ forcing; its logits are unused), the others feed their last sampled token. All c
 at the same position, so no attention mask and no padding token enter the states.
 
 Two pieces: ``schedule_prompts`` lays the ragged prompts out with the mode of every position
-(``RaggedBatch``); ``generate`` prefills, then steps the batch, sampling for the sequences
-past their prompts (``_Sequences``).
+(``RaggedBatch``, with a host copy of the modes); ``generate`` prefills, then steps the batch,
+sampling for the sequences past their prompts (``_Sequences``).
+
+The caches are static: allocated once for the longest prompt plus ``max_new_tokens``, updated
+in place. A call whose tokens all read one mode passes that ``Mode`` (the model then computes
+only that mixer); the host copy of the modes decides it, so a step syncs with the device only
+to read the sampled tokens. On CUDA the one-token steps replay CUDA graphs (``cuda_graphs``).
+``kv_cache=False`` keeps no keys/values: linear-only generation, checked before any compute.
 
 A sequence finishes on a stop token (kept as its last output token, reason "stop") or after
 ``max_new_tokens`` (reason "length"). Finished sequences keep stepping with the batch, their
@@ -24,12 +30,13 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
 from oryx_megatron.config import Mode
+from oryx_megatron.inference.cuda_graphs import decode_step, use_cuda_graphs
+from oryx_megatron.inference.forward import cached_logits, check_model, eval_mode, mode_arg
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
-from oryx_megatron.inference.schedules import as_inference_schedule
+from oryx_megatron.inference.schedules import InferenceSchedule, as_inference_schedule
 
 
 @dataclasses.dataclass
@@ -37,9 +44,12 @@ class GenerationStats:
     tokens_per_mode: Dict[str, int]  # tokens fed to the model by live sequences, by read mode
     prefill_tokens: int  # batch x shortest prompt, one parallel forward
     prefill_seconds: float
-    decode_tokens: int  # tokens fed by live sequences in the one-token steps
-    decode_seconds: float
-    cache_bytes: Dict[str, int]  # kv / recurrent / conv, all layers, at the end
+    decode_tokens: int  # tokens fed by live sequences after the prefill (generated tokens but the last, prompt tails)
+    decode_seconds: float  # CUDA-graph captures excluded (capture_seconds)
+    cache_bytes: Dict[str, int]  # kv / recurrent / conv, all layers, allocated
+    capture_seconds: float = 0.0  # capturing the CUDA graphs of the decode steps
+    drafted: int = 0  # speculative decoding: tokens drafted in linear mode
+    accepted: int = 0  # ... and accepted by the attention-mode verification
 
     @property
     def attention_fraction(self) -> float:
@@ -52,6 +62,10 @@ class GenerationStats:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / max(self.decode_seconds, 1e-9)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(self.drafted, 1)
 
 
 @dataclasses.dataclass
@@ -68,13 +82,33 @@ class RaggedBatch:
 
     tokens: Tensor  # [b, span + 1] long: each prompt, then room for its generated tokens
     modes: Tensor  # [b, span] int8: the mode of every position ever fed; past its end a sequence repeats its last
+    host_modes: np.ndarray  # [b, span] int8: the same, on the host (Mode hints without a device sync)
+    prompt_lengths: Tensor  # [b] long, on the device
     lengths: List[int]  # prompt lengths
     max_new_tokens: int
+    schedule: InferenceSchedule
 
     @property
     def prefill_len(self) -> int:
         """Positions every sequence has in its prompt: prefilled in one parallel forward."""
         return min(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        """Cache positions to allocate: the longest prompt plus max_new_tokens."""
+        return max(self.lengths) + self.max_new_tokens
+
+    def mode_arg(self, start: int, end: int):
+        """The modes argument for positions [start, end): a Mode when all read one, else modes [b, end - start]."""
+        return mode_arg(self.host_modes[:, start:end], self.modes[:, start:end])
+
+    def require_linear_only(self) -> None:
+        """Refuse (before any compute) a schedule that makes a token read attention: no KV cache to read."""
+        attention = self.host_modes == Mode.ATTENTION  # [b, span]
+        if attention.any():
+            i, pos = np.argwhere(attention)[0]
+            raise ValueError(f"no KV cache (kv_cache=False / --no-kv-cache): schedule '{self.schedule}' makes position "
+                             f"{pos} of prompt {i} read attention; use a linear-only schedule such as all_linear")
 
 
 def schedule_prompts(prompts: Sequence[Sequence[int]], schedule, max_new_tokens: int, vocab_limit: int,
@@ -101,11 +135,13 @@ def schedule_prompts(prompts: Sequence[Sequence[int]], schedule, max_new_tokens:
         np.pad(schedule.position_modes(n, n + max_new_tokens - 1), (0, span - n - max_new_tokens + 1), mode="edge")
         for n in lengths
     ])
-    return RaggedBatch(tokens.to(device), torch.from_numpy(modes).to(device), lengths, max_new_tokens)
+    return RaggedBatch(tokens.to(device), torch.from_numpy(modes).to(device), modes,
+                       torch.tensor(lengths, device=device), lengths, max_new_tokens, schedule)
 
 
 class _Sequences:
-    """What decoding has produced so far: each sequence's output tokens (and logits), and why it finished."""
+    """What decoding has produced so far: each sequence's output tokens (and logits), why it finished,
+    and the tokens fed by live sequences per mode (host-side bookkeeping)."""
 
     def __init__(self, batch: RaggedBatch, sampler: Sampler, stop_token_ids: Sequence[int], output_logits: bool):
         self.batch, self.sampler, self.stop = batch, sampler, set(stop_token_ids)
@@ -113,18 +149,27 @@ class _Sequences:
         self.tokens: List[List[int]] = [[] for _ in range(b)]
         self.logits: Optional[List[List[Tensor]]] = [[] for _ in range(b)] if output_logits else None
         self.reasons: List[Optional[str]] = [None] * b
+        self.fed = np.zeros(len(Mode), np.int64)
 
     def live(self) -> List[bool]:
         return [r is None for r in self.reasons]
 
+    def count_fed(self, start: int, end: int) -> None:
+        """Positions [start, end) were fed: count the live sequences' tokens by mode."""
+        self.fed += np.bincount(self.batch.host_modes[self.live(), start:end].ravel(), minlength=len(Mode))
+
     def emit(self, pos: int, logits: Tensor) -> None:
-        """Sample position ``pos`` of every live sequence past its prompt from logits [b, V]."""
+        """Sample position ``pos`` of every live sequence past its prompt from logits [b, V].
+        The sampled ids enter batch.tokens on the device; reading them is the step's one host sync."""
         batch = self.batch
         emit = [i for i, live in enumerate(self.live()) if live and pos >= batch.lengths[i]]
         if not emit:
             return
-        for i, token in zip(emit, self.sampler(logits[emit]).tolist()):
-            batch.tokens[i, pos] = token
+        sampled = self.sampler(logits)  # [b]; rows inside their prompt keep their prompt token
+        batch.tokens[:, pos] = torch.where(batch.prompt_lengths <= pos, sampled, batch.tokens[:, pos])
+        host = sampled.tolist()
+        for i in emit:
+            token = host[i]
             self.tokens[i].append(token)
             if self.logits is not None:
                 self.logits[i].append(logits[i].clone())
@@ -143,70 +188,70 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     vocab_size: Optional[int] = None,
     output_logits: bool = False,
+    kv_cache: bool = True,
+    cuda_graphs: Optional[bool] = None,
 ) -> GenerationResult:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
     schedule: an InferenceSchedule, a data-layer ModeSchedule or a CLI string
     (``schedules.parse_schedule``); vocab_size: the tokenizer's, ids at or above it
-    (the padded vocab) are never sampled. The model runs in eval mode, then gets its
-    training flag back.
+    (the padded vocab) are never sampled. kv_cache=False: keep no keys/values (the schedule
+    must read linear everywhere). cuda_graphs: replay the one-token steps from CUDA graphs
+    (None: on CUDA devices). The model runs in eval mode, then gets its training flag back.
     """
-    if not hasattr(model, "allocate_inference_cache"):
-        raise TypeError(f"generate needs a model with an inference cache (OryxModel), got {type(model).__name__}")
-    if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
-        raise ValueError("generate needs the whole model on one pipeline stage (pipeline_model_parallel_size=1)")
-    param = next(model.parameters())
-    device, dtype = param.device, param.dtype
+    device, dtype = check_model(model)
+    graphs = use_cuda_graphs(cuda_graphs, device)
     limit = vocab_size if vocab_size is not None else model.vocab_size  # the padded vocab
     batch = schedule_prompts(prompts, schedule, max_new_tokens, limit, device)
+    if not kv_cache:
+        batch.require_linear_only()
     sequences = _Sequences(batch, Sampler(sampling, vocab_size, device), stop_token_ids, output_logits)
-    b, t0 = len(batch.lengths), batch.prefill_len
-    fed = torch.zeros(len(Mode), dtype=torch.long, device=device)  # tokens fed by live sequences, by mode
+    b = len(batch.lengths)
+    with eval_mode(model):
+        cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache)
+        prefill_seconds, decode_seconds, capture_seconds = _decode(model, batch, sequences, cache, graphs)
 
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            cache = model.allocate_inference_cache(b, dtype, device)
-            start = time.perf_counter()
-            logits = _next_logits(model, batch.tokens[:, :t0], batch.modes[:, :t0], cache)  # [b, vocab]
-            fed += torch.bincount(batch.modes[:, :t0].flatten().long(), minlength=len(Mode))
-            prefill_seconds, start = _elapsed(start, device), time.perf_counter()
-            pos = t0  # the position predicted by `logits`
-            while True:
-                sequences.emit(pos, logits)
-                live = torch.tensor(sequences.live(), device=device)
-                if not live.any():
-                    break
-                logits = _next_logits(model, batch.tokens[:, pos : pos + 1], batch.modes[:, pos : pos + 1], cache)
-                fed += torch.bincount(batch.modes[live, pos].long(), minlength=len(Mode))
-                pos += 1
-            decode_seconds = _elapsed(start, device)
-    finally:
-        model.train(was_training)
-
-    counts = {m.name.lower(): int(n) for m, n in zip(Mode, fed.tolist())}
+    counts = {m.name.lower(): int(n) for m, n in zip(Mode, sequences.fed)}
     stats = GenerationStats(
         tokens_per_mode=counts,
-        prefill_tokens=b * t0,
+        prefill_tokens=b * batch.prefill_len,
         prefill_seconds=prefill_seconds,
-        decode_tokens=sum(counts.values()) - b * t0,
+        decode_tokens=sum(counts.values()) - b * batch.prefill_len,
         decode_seconds=decode_seconds,
-        cache_bytes={key: sum(c.nbytes()[key] for c in cache) for key in ("kv", "recurrent", "conv")},
+        cache_bytes=cache_bytes(cache),
+        capture_seconds=capture_seconds,
     )
     logits_out = [torch.stack(rows) for rows in sequences.logits] if output_logits else None
     return GenerationResult(sequences.tokens, sequences.reasons, stats, logits_out)
 
 
-def _next_logits(model, ids: Tensor, modes: Tensor, cache) -> Tensor:
-    """Feed ids/modes [b, s] through the cache; the full-vocab logits of the last position [b, V]."""
-    logits = model(ids, modes, inference_cache=cache)[:, -1]
-    if getattr(model, "parallel_output", False):
-        logits = gather_from_tensor_model_parallel_region(logits)  # vocab shards -> full vocab (no-op at TP=1)
-    return logits
+def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs: bool):
+    """Prefill, then one-token steps until every sequence is done: (prefill, decode, graph capture) seconds."""
+    device, t0 = batch.tokens.device, batch.prefill_len
+    start = time.perf_counter()
+    logits = cached_logits(model, batch.tokens[:, :t0], batch.mode_arg(0, t0), cache, last_only=True)[:, -1]  # [b, V]
+    sequences.count_fed(0, t0)
+    prefill_seconds, start = elapsed(start, device), time.perf_counter()
+    step = decode_step(model, cache, cuda_graphs)
+    pos = t0  # the position predicted by `logits`
+    while True:
+        sequences.emit(pos, logits)
+        if not any(sequences.live()):
+            break
+        logits = step(batch.tokens[:, pos : pos + 1], batch.mode_arg(pos, pos + 1))
+        sequences.count_fed(pos, pos + 1)
+        pos += 1
+    capture = getattr(step, "capture_seconds", 0.0)
+    return prefill_seconds, elapsed(start, device) - capture, capture
 
 
-def _elapsed(start: float, device: torch.device) -> float:
+def cache_bytes(caches) -> Dict[str, int]:
+    """Allocated bytes of the caches of every layer: kv / recurrent / conv."""
+    return {key: sum(c.nbytes()[key] for c in caches) for key in ("kv", "recurrent", "conv")}
+
+
+def elapsed(start: float, device: torch.device) -> float:
+    """Seconds since ``start``, once the device has finished its queued work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start

@@ -66,10 +66,19 @@ class Sampler:
         self.params, self.vocab_size = params, vocab_size
         self.generator = torch.Generator(device=device or "cpu").manual_seed(params.seed)
 
-    def __call__(self, logits: Tensor) -> Tensor:
-        """[n, V] -> int64 [n]."""
+    def probs(self, logits: Tensor) -> Tensor:
+        """[n, V] -> fp32 [n, V]: the distribution ids are drawn from (one-hot argmax when greedy)."""
         logits = mask_vocab(logits.float(), self.vocab_size)
         if self.params.temperature == 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(filter_logits(logits, self.params), dim=-1)
+            return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.softmax(filter_logits(logits, self.params), dim=-1)
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """[n, V] -> int64 [n]."""
+        if self.params.temperature == 0:
+            return mask_vocab(logits.float(), self.vocab_size).argmax(-1)
+        return self.draw(self.probs(logits))
+
+    def draw(self, probs: Tensor) -> Tensor:
+        """One id per row of probs [n, V] (unnormalised is fine) -> int64 [n]."""
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]

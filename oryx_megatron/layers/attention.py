@@ -1,9 +1,12 @@
 """Core (softmax) attention modules for the layer specs: q, k, v in, output out.
 
 Both take q [b, sq, h, d_k], k [b, sk, h, d_k], v [b, sk, h, d_v] with the queries
-at the last sq positions (bottom-right causal), which serves training (sq == sk),
-prefill after a cached prefix, and one-token decode alike.
+at the last sq positions (bottom-right causal), which serves training (sq == sk) and
+prefill after a cached prefix alike; and ``read`` [b, sq] bool, the positions whose output
+is used (None: all of them).
 """
+
+from typing import Optional
 
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
@@ -13,18 +16,24 @@ from oryx_megatron.ops import get_kernels
 
 
 class SDPAttention(MegatronModule):
-    """Local backend: torch scaled_dot_product_attention (flash on CUDA, math on CPU)."""
+    """Local backend: torch scaled_dot_product_attention (flash on CUDA, math on CPU); with ``read``,
+    only the query blocks holding a reading position (FlexAttention on CUDA)."""
+
+    query_block = 128  # positions per query block of the block-sparse read (FlexAttention's default)
 
     def __init__(self, config: OryxConfig, layer_number: int = 1):
         super().__init__(config)
-        self.causal_attention = get_kernels(config.kernel_backend).causal_attention
+        self.kernels = get_kernels(config.kernel_backend)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return self.causal_attention(q, k, v)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, read: Optional[Tensor] = None) -> Tensor:
+        if read is None:
+            return self.kernels.causal_attention(q, k, v)
+        return self.kernels.block_sparse_causal_attention(q, k, v, read, self.query_block)
 
 
 class TEAttention(MegatronModule):
-    """Transformer Engine backend: ``transformer_engine.pytorch.DotProductAttention``."""
+    """Transformer Engine backend: ``transformer_engine.pytorch.DotProductAttention`` (dense: it
+    computes every position whatever ``read`` says)."""
 
     def __init__(self, config: OryxConfig, layer_number: int = 1):
         super().__init__(config)
@@ -41,6 +50,6 @@ class TEAttention(MegatronModule):
             layer_number=layer_number,
         )
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, read: Optional[Tensor] = None) -> Tensor:
         b, sq, h, _ = q.shape
         return self.attention(q, k, v).view(b, sq, h, -1)  # TE returns [b, sq, h * d_v]

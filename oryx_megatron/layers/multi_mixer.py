@@ -14,8 +14,12 @@ Per token t and head h (design card, section 2):
 With ``shared_query`` (ablation A1) attention reads with the linear query q_t instead of
 W_QA x_t, so the two mixers share their query as they share the key.
 
+With ``kv_gate`` the shared k_t and v_t are also multiplied by gate(W_KG x_t), gate(W_VG x_t).
+
 Both memories (KV cache and recurrent state) absorb every token whatever its mode;
-``modes`` [b, s] only chooses which one each token reads.
+``modes`` ([b, s], or one ``Mode`` for every token) only chooses which one each token reads,
+and only what is read is computed: attention over the query blocks that hold a reader, the
+linear scan when a token reads it or its state is kept.
 
 Tensor parallelism splits heads: the fused input projection ``in_proj`` is laid out head-major
 (per head: k, v, g, then the mixer-specific queries and scalars), so a plain
@@ -27,19 +31,23 @@ are split with their heads; W_O (``out_proj``) is row-parallel.
 import logging
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, FrozenSet, Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from oryx_megatron.config import Mode, OryxConfig
 from oryx_megatron.layers.head_split import HeadSplitModule
 from oryx_megatron.layers.linear_mixers import LINEAR_MIXER_CLASSES
 from oryx_megatron.layers.norms import gated_head_rms_norm, upcast
-from oryx_megatron.ops import apply_rotary, get_kernels, rotary_cos_sin
+from oryx_megatron.ops import apply_rotary, decode_attention, get_kernels, rotary_cos_sin
 
 logger = logging.getLogger(__name__)
+
+Modes = Union[Tensor, Mode, None]  # per token [b, s], one mode for every token, or None (single mixer)
 
 
 @dataclass
@@ -49,18 +57,87 @@ class MultiMixerSubmodules:
     out_proj: Union[ModuleSpec, type]  # row-parallel W_O
 
 
+KV_BLOCK = 256  # KV cache positions allocated at a time
+
+
+@dataclass
+class MixerSnapshot:
+    """What ``MixerCache.restore`` needs to return to an earlier position (speculative decoding)."""
+
+    conv_states: Dict[str, Tensor]
+    recurrent_state: Optional[Tensor]
+    seqlen: int
+
+
 @dataclass
 class MixerCache:
-    """Inference state of one layer, updated on every token whatever its mode."""
+    """Inference state of one layer, updated in place on every token whatever its mode.
+
+    Keys and values live in preallocated buffers of ``capacity`` positions (grown by KV_BLOCK
+    when a prefill or ``reserve`` needs more); the first ``seqlen`` hold the tokens so far.
+    ``position`` is ``seqlen`` as a device tensor: the one-token step reads and advances only it,
+    so that step can be captured in a CUDA graph (a replay leaves ``seqlen`` to the caller).
+    """
 
     conv_states: Dict[str, Tensor]  # stream -> [b, channels, conv_kernel - 1]
-    key: Tensor  # [b, t, h, d_k], rotated (empty for a linear-only layer)
-    value: Tensor  # [b, t, h, d_v]
+    key: Optional[Tensor]  # [b, capacity, h, d_k], rotated; None: no KV cache kept
+    value: Optional[Tensor]  # [b, capacity, h, d_v]
     recurrent_state: Optional[Tensor]  # [b, h, d_k, d_v] fp32, None for attention-only
+    position: Tensor  # 0-dim long, on the device
     seqlen: int = 0
 
+    @property
+    def capacity(self) -> int:
+        return 0 if self.key is None else self.key.shape[1]
+
+    def reserve(self, n_tokens: int) -> bool:
+        """Room for ``n_tokens`` in all; True when the buffers were reallocated (which invalidates a
+        captured graph)."""
+        if self.key is None or n_tokens <= self.capacity:
+            return False
+        capacity = -(-n_tokens // KV_BLOCK) * KV_BLOCK
+        for name in ("key", "value"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], capacity, *old.shape[2:])
+            new[:, : self.seqlen] = old[:, : self.seqlen]
+            setattr(self, name, new)
+        return True
+
+    def append(self, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor]:
+        """Store s new tokens' key/value [b, s, h, d] after the cached ones: (every key, every value)."""
+        end = self.seqlen + key.shape[1]
+        self.reserve(end)
+        self.key[:, self.seqlen : end] = key
+        self.value[:, self.seqlen : end] = value
+        return self.key[:, :end], self.value[:, :end]
+
+    def write_at_position(self, key: Tensor, value: Tensor) -> None:
+        """Store one token's key/value [b, 1, h, d] at ``position`` (no host-side index)."""
+        index = self.position.view(1)
+        self.key.index_copy_(1, index, key)
+        self.value.index_copy_(1, index, value)
+
+    def advance(self, n_tokens: int) -> None:
+        self.seqlen += n_tokens
+        self.position += n_tokens
+
+    def snapshot(self) -> MixerSnapshot:
+        """Copies of the states that tokens overwrite (cached keys past ``seqlen`` are ignored later)."""
+        recurrent = None if self.recurrent_state is None else self.recurrent_state.clone()
+        return MixerSnapshot({n: t.clone() for n, t in self.conv_states.items()}, recurrent, self.seqlen)
+
+    def restore(self, snapshot: MixerSnapshot) -> None:
+        """Back to the snapshot's position, in place."""
+        for name, state in snapshot.conv_states.items():
+            self.conv_states[name].copy_(state)
+        if snapshot.recurrent_state is not None:
+            self.recurrent_state.copy_(snapshot.recurrent_state)
+        self.seqlen = snapshot.seqlen
+        self.position.fill_(snapshot.seqlen)
+
     def nbytes(self) -> Dict[str, int]:
-        kv = self.key.nbytes + self.value.nbytes
+        """Allocated bytes: kv / recurrent / conv."""
+        kv = 0 if self.key is None else self.key.nbytes + self.value.nbytes
         rec = self.recurrent_state.nbytes if self.recurrent_state is not None else 0
         return {"kv": kv, "recurrent": rec, "conv": sum(t.nbytes for t in self.conv_states.values())}
 
@@ -82,6 +159,8 @@ class MultiMixer(HeadSplitModule):
 
         # Per-head widths of the fused input projection, in layout order, and the convolved ones.
         self.streams = {"k": self.d_k, "v": self.d_v, "g": self.d_v}
+        if config.kv_gate != "none":
+            self.streams.update(k_gate=self.d_k, v_gate=self.d_v)
         self.conv_streams = ["k", "v"]
         if self.has_attention and not config.shared_query:
             self.streams["q_attn"] = self.d_k
@@ -141,78 +220,111 @@ class MultiMixer(HeadSplitModule):
     def forward(
         self,
         hidden_states: Tensor,
-        modes: Optional[Tensor] = None,
+        modes: Modes = None,
         inference_cache: Optional[MixerCache] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        """hidden_states [s, b, hidden] (sequence-sharded under SP), modes [b, s] -> (out, bias).
+        """hidden_states [s, b, hidden] (sequence-sharded under SP) -> (out, bias).
 
-        With ``inference_cache`` the sequence continues the cached one (prefill); one
-        token with a cache is a decode step (``step``).
+        modes: [b, s] per token, or one ``Mode`` read by every token (then only that mixer's
+        output is computed); None for a single-mixer layer. With ``inference_cache`` the sequence
+        continues the cached one (prefill); one token with a cache is a decode step (``step``).
         """
         if inference_cache is not None and inference_cache.seqlen > 0 and hidden_states.shape[0] == 1:
             return self.step(hidden_states, modes, inference_cache)
         x = self._project(hidden_states)  # stream -> [b, s, h, d]
-        cache = inference_cache
+        if self.config.recompute_granularity == "selective" and self.training and inference_cache is None:
+            y = checkpoint(self._mix, x, modes, None, use_reentrant=False)  # keep the projections only
+        else:
+            y = self._mix(x, modes, inference_cache)
+        return self._output(y)
+
+    def _mix(self, x: Dict[str, Tensor], modes: Modes, cache: Optional[MixerCache]) -> Tensor:
+        """Projected streams -> each token's read, normed and gated: [b, s, h, d_v]."""
+        x = dict(x)  # a recomputation gets the projected streams again
         for name in self.conv_streams:  # shared short convs (and the linear query's)
             state = cache.conv_states[name] if cache is not None else None
             x[name], state = self._conv(x[name], getattr(self, f"conv_{name}"), state)
             if cache is not None:
-                cache.conv_states[name] = state
+                cache.conv_states[name].copy_(state)
+        self._gate_keys_and_values(x)
 
+        reads = self._reads(modes)
         outputs = {}
         if self.has_attention:
-            outputs[Mode.ATTENTION] = self._attend(x[self.attention_query], x["k"], x["v"], cache)
-        if self.linear_mixer is not None:
+            o = self._attend(x[self.attention_query], x["k"], x["v"], cache, modes, reads)
+            if o is not None:
+                outputs[Mode.ATTENTION] = o
+        if self.linear_mixer is not None and (Mode.LINEAR in reads or cache is not None):  # the state absorbs all
             initial = cache.recurrent_state if cache is not None else None
-            o, state = self.linear_mixer(x, initial, output_final_state=cache is not None)
-            outputs[Mode.LINEAR] = o  # [b, s, h, d_v]
+            outputs[Mode.LINEAR], state = self.linear_mixer(x, initial, output_final_state=cache is not None)
             if cache is not None:
-                cache.recurrent_state = state
+                cache.recurrent_state.copy_(state)
         if cache is not None:
-            cache.seqlen += x["k"].shape[1]
-        return self._output(self._select(outputs, modes), x["g"])
+            cache.advance(x["k"].shape[1])
+        return self._gated_norm(self._select(outputs, modes), x["g"])
 
     # ---- one-token decode ----
     def step(
-        self, hidden_states: Tensor, modes: Optional[Tensor], inference_cache: MixerCache
+        self, hidden_states: Tensor, modes: Modes, inference_cache: MixerCache
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        """Decode one token: hidden_states [1, b, hidden], modes [b, 1] or [b]."""
+        """Decode one token: hidden_states [1, b, hidden], modes [b, 1], [b] or a Mode.
+
+        Positions come from the cache's ``position`` tensor and every state is written in place,
+        so the step has no host synchronisation and can be captured in a CUDA graph."""
         cache = inference_cache
         x = {name: t.squeeze(1) for name, t in self._project(hidden_states).items()}  # [b, h, d]
         for name in self.conv_streams:
             b, h, d = x[name].shape
-            y, cache.conv_states[name] = self.kernels.causal_conv1d_step(
+            y, state = self.kernels.causal_conv1d_step(
                 x[name].reshape(b, h * d), cache.conv_states[name], getattr(self, f"conv_{name}"),
                 activation=self.config.mixer_conv_activation,
             )
+            cache.conv_states[name].copy_(state)
             x[name] = y.view(b, h, d)
+        self._gate_keys_and_values(x)
 
+        if torch.is_tensor(modes):  # per sequence: both mixers read, selected without a host sync
+            modes, reads = modes.reshape(-1, 1), frozenset(Mode)
+        else:
+            reads = self._reads(modes)
         outputs = {}
         if self.has_attention:
-            o = self._attend(x[self.attention_query][:, None], x["k"][:, None], x["v"][:, None], cache)
-            outputs[Mode.ATTENTION] = o[:, 0]
+            q, k = self._rotate(x[self.attention_query][:, None], x["k"][:, None], cache.position.view(1))
+            if cache.key is None:
+                self._refuse_attention_without_kv_cache(reads)
+            else:
+                cache.reserve(cache.seqlen + 1)  # host-side; a graph runner reserves before replaying
+                cache.write_at_position(k, x["v"][:, None])
+                if Mode.ATTENTION in reads:
+                    outputs[Mode.ATTENTION] = decode_attention(q, cache.key, cache.value, cache.position)
         if self.linear_mixer is not None:
-            outputs[Mode.LINEAR], cache.recurrent_state = self.linear_mixer.step(x, cache.recurrent_state)
-        cache.seqlen += 1
-        modes = None if modes is None else modes.reshape(-1, 1)
-        y = self._select({m: o[:, None] for m, o in outputs.items()}, modes)
-        return self._output(y, x["g"][:, None])
+            o, state = self.linear_mixer.step(x, cache.recurrent_state)
+            outputs[Mode.LINEAR] = o[:, None]
+            cache.recurrent_state.copy_(state)
+        cache.advance(1)
+        return self._output(self._gated_norm(self._select(outputs, modes), x["g"][:, None]))
 
-    def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None) -> MixerCache:
-        """An empty cache: zero conv and recurrent states, no keys yet."""
+    def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
+                                 capacity: Optional[int] = None, kv_cache: bool = True) -> MixerCache:
+        """An empty cache: zero conv and recurrent states, KV buffers of ``capacity`` positions
+        (default KV_BLOCK; grown when exceeded), none at all when ``kv_cache`` is False (a cache
+        for linear mode only)."""
         h, w = self.num_heads, self.config.mixer_conv_kernel
         conv_states = {
             name: torch.zeros(batch_size, h * self.streams[name], w - 1, dtype=dtype, device=device)
             for name in self.conv_streams
         }
-        kv_heads = h if self.has_attention else 0
-        key = torch.zeros(batch_size, 0, kv_heads, self.d_k, dtype=dtype, device=device)
-        value = torch.zeros(batch_size, 0, kv_heads, self.d_v, dtype=dtype, device=device)
+        key = value = None
+        if self.has_attention and kv_cache:
+            capacity = -(-(capacity or KV_BLOCK) // KV_BLOCK) * KV_BLOCK
+            key = torch.zeros(batch_size, capacity, h, self.d_k, dtype=dtype, device=device)
+            value = torch.zeros(batch_size, capacity, h, self.d_v, dtype=dtype, device=device)
         recurrent = None
         if self.linear_mixer is not None:
             state_dtype = torch.promote_types(dtype, torch.float32)
             recurrent = torch.zeros(self.linear_mixer.state_shape(batch_size), dtype=state_dtype, device=device)
-        return MixerCache(conv_states, key, value, recurrent)
+        position = torch.zeros((), dtype=torch.long, device=device)
+        return MixerCache(conv_states, key, value, recurrent, position)
 
     # ---- pieces shared by forward and step ----
     def _project(self, hidden_states: Tensor) -> Dict[str, Tensor]:
@@ -230,30 +342,69 @@ class MultiMixer(HeadSplitModule):
         )
         return y.view(b, s, h, d), final_state
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cache: Optional[MixerCache]) -> Tensor:
-        """Causal softmax read over all earlier tokens (cached ones included): [b, s, h, d_v]."""
-        if self.config.attention_rotary:
-            offset = cache.seqlen if cache is not None else 0
-            positions = torch.arange(offset, offset + q.shape[1], device=q.device)
-            cos, sin = rotary_cos_sin(positions, self.d_k, self.config.rotary_base, dtype=upcast(q).dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
-            cache.key = k = torch.cat([cache.key, k], dim=1)
-            cache.value = v = torch.cat([cache.value, v], dim=1)
-        return self.core_attention(q, k, v)
+    def _gate_keys_and_values(self, x: Dict[str, Tensor]) -> None:
+        """k *= gate(W_KG x), v *= gate(W_VG x) with ``kv_gate`` (in fp32 or wider)."""
+        if self.config.kv_gate == "none":
+            return
+        gate = torch.sigmoid if self.config.kv_gate == "sigmoid" else F.silu
+        for name in ("k", "v"):
+            x[name] = (upcast(x[name]) * gate(upcast(x[f"{name}_gate"]))).to(x[name].dtype)
 
-    def _select(self, outputs: Dict[Mode, Tensor], modes: Optional[Tensor]) -> Tensor:
+    def _reads(self, modes: Modes) -> FrozenSet[Mode]:
+        """The modes some token reads: without a host sync for a Mode or a single mixer."""
+        if isinstance(modes, Mode):
+            return frozenset((modes,))
+        if modes is None or not self.config.is_multi_mixer:
+            return frozenset((Mode.ATTENTION,) if self.has_attention else (Mode.LINEAR,))
+        return frozenset(Mode(int(m)) for m in torch.unique(modes).tolist())
+
+    def _rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> Tuple[Tensor, Tensor]:
+        """Rotary embedding of q, k [b, s, h, d_k] at ``positions`` [s] (a no-op without it)."""
+        if not self.config.attention_rotary:
+            return q, k
+        cos, sin = rotary_cos_sin(positions, self.d_k, self.config.rotary_base, dtype=upcast(q).dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cache: Optional[MixerCache], modes: Modes,
+                reads: FrozenSet[Mode]) -> Optional[Tensor]:
+        """Causal softmax read over all earlier tokens (cached ones included) at the positions that
+        read attention: [b, s, h, d_v], or None when no token reads it. The cache stores every
+        token's key and value whatever its mode."""
+        offset = cache.seqlen if cache is not None else 0
+        q, k = self._rotate(q, k, torch.arange(offset, offset + q.shape[1], device=q.device))
+        if cache is not None:
+            if cache.key is None:
+                return self._refuse_attention_without_kv_cache(reads)
+            k, v = cache.append(k, v)
+        if Mode.ATTENTION not in reads:
+            return None
+        read = None if isinstance(modes, Mode) or modes is None else modes == Mode.ATTENTION  # [b, s]
+        return self.core_attention(q, k, v, read)
+
+    def _refuse_attention_without_kv_cache(self, reads: FrozenSet[Mode]) -> None:
+        if Mode.ATTENTION in reads:
+            raise ValueError("a token reads attention but this inference cache keeps no KV cache "
+                             "(kv_cache=False, --no-kv-cache): use a linear-only schedule, or keep the KV cache")
+
+    def _select(self, outputs: Dict[Mode, Tensor], modes: Modes) -> Tensor:
         """Each token reads with its mode's mixer: [b, s, h, d_v]."""
-        if len(outputs) == 1:
+        if isinstance(modes, Mode):
+            return outputs[modes]
+        if len(self.config.mixer_list) == 1:
             return next(iter(outputs.values()))
         if modes is None:
             raise ValueError(f"modes [batch, seq] is required by a multi-mixer layer (mixers={self.config.mixers})")
+        if len(outputs) == 1:  # every token reads the one computed
+            return next(iter(outputs.values()))
         attention = (modes == Mode.ATTENTION)[:, :, None, None]
         return torch.where(attention, outputs[Mode.ATTENTION], outputs[Mode.LINEAR])
 
-    def _output(self, y: Tensor, gate: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-        """Shared per-head norm, output gate and W_O: [b, s, h, d_v] -> [s, b, hidden]."""
-        y = gated_head_rms_norm(y, gate, self.out_norm_weight, self.config.layernorm_epsilon)
+    def _gated_norm(self, y: Tensor, gate: Tensor) -> Tensor:
+        """Shared per-head norm and output gate: [b, s, h, d_v]."""
+        return gated_head_rms_norm(y, gate, self.out_norm_weight, self.config.layernorm_epsilon)
+
+    def _output(self, y: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """Shared W_O: [b, s, h, d_v] -> [s, b, hidden]."""
         b, s = y.shape[:2]
         return self.out_proj(y.reshape(b, s, -1).transpose(0, 1).contiguous())
 

@@ -17,6 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 
 from oryx_megatron.config import OryxConfig, cpu_friendly_defaults, swiglu_defaults
+from oryx_megatron.layers.gpt_attention import CausalSDPAttention
 from oryx_megatron.layers.norms import RMSNorm
 from oryx_megatron.models.oryx_model import OryxModel
 from oryx_megatron.models.specs import get_oryx_layer_spec
@@ -48,6 +49,7 @@ class ModelArgs:
     mixer_conv_kernel: int = 4
     attention_query_conv: bool = False
     shared_query: bool = False  # one query for both mixers (ablation A1)
+    kv_gate: str = "none"  # multiplicative gates on the shared keys and values: none | silu | sigmoid
     linear_chunk_size: int = 64
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
@@ -80,7 +82,7 @@ def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
     if args.family == "transformer":
         return TransformerConfig(**common)
     oryx_fields = {"value_head_dim", "mixer_conv_kernel", "attention_query_conv",
-                   "shared_query", "linear_chunk_size", "transformer_impl", "kernel_backend"}
+                   "shared_query", "kv_gate", "linear_chunk_size", "transformer_impl", "kernel_backend"}
     extra = {f.name: getattr(args, f.name) for f in fields(args) if f.name in oryx_fields}
     return OryxConfig(mixers=FAMILY_MIXERS[args.family], **common, **extra)
 
@@ -129,6 +131,8 @@ def _gpt_layer_spec(transformer_impl: str):
     # megatron's WrappedTorchNorm refuses sequence parallelism; ours supports it.
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    # SDPA (flash on CUDA) instead of an unfused softmax over a materialised s x s mask.
+    spec.submodules.self_attention.submodules.core_attention = CausalSDPAttention
     return spec
 
 
@@ -136,6 +140,7 @@ class TransformerBaseline(GPTModel):
     """megatron's GPTModel (RoPE, SwiGLU, RMSNorm) with OryxModel's call signature.
 
     ``modes`` is accepted and ignored: a Transformer reads every token with attention.
+    No attention mask is built: both specs' core attention is causal by its mask type.
     """
 
     def __init__(self, config, transformer_layer_spec, **kwargs):
@@ -144,6 +149,4 @@ class TransformerBaseline(GPTModel):
     def forward(self, input_ids, modes=None, labels=None, inference_cache=None):
         if inference_cache is not None:
             raise NotImplementedError("TransformerBaseline has no inference cache yet")
-        s = input_ids.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
-        return super().forward(input_ids, position_ids=None, attention_mask=causal, labels=labels)
+        return super().forward(input_ids, position_ids=None, attention_mask=None, labels=labels)

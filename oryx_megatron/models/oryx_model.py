@@ -1,8 +1,8 @@
 """OryxModel: embedding -> decoder (N Oryx layers, final norm) -> output layer, a megatron
 LanguageModule laid out like GPTModel.
 
-The per-token ``modes`` [b, s] enter ``forward`` with the batch and reach every layer;
-the same modes apply to every layer for a token. Pipeline stages build only their
+The per-token ``modes`` [b, s] (or one ``Mode`` read by every token) enter ``forward`` with the
+batch and reach every layer; the same modes apply to every layer for a token. Pipeline stages build only their
 layers (``pre_process``/``post_process`` as in megatron's GPTModel).
 """
 
@@ -151,23 +151,28 @@ class OryxModel(LanguageModule):
         modes: Optional[Tensor] = None,
         labels: Optional[Tensor] = None,
         inference_cache: Optional[List[MixerCache]] = None,
+        last_token_logits: bool = False,
     ) -> Tensor:
         """input_ids, modes, labels: [b, s]. Returns the loss [b, s] given labels, else logits
-        [b, s, vocab] (vocab-parallel unless parallel_output=False); a middle pipeline stage
-        returns hidden states [s, b, hidden]."""
+        [b, s, vocab] (vocab-parallel unless parallel_output=False; [b, 1, vocab] of the last position
+        only with ``last_token_logits``, as a prefill needs); a middle pipeline stage returns hidden
+        states [s, b, hidden]."""
         hidden = self.embedding(input_ids, position_ids=None) if self.pre_process else self.input_tensor
         hidden = self.decoder(hidden, modes, inference_cache)
         if not self.post_process:
             return hidden
+        if last_token_logits and labels is None and not self.config.sequence_parallel:
+            hidden = hidden[-1:]  # [1, b, hidden]: no [s, b, vocab] logits for a long prompt
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab / tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
 
-    def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None) -> List[MixerCache]:
-        """One empty cache per layer of this stage."""
+    def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
+                                 capacity: Optional[int] = None, kv_cache: bool = True) -> List[MixerCache]:
+        """One empty cache per layer of this stage (``MultiMixer.allocate_inference_cache``)."""
         return [
-            layer.mixer.allocate_inference_cache(batch_size, dtype, device)
+            layer.mixer.allocate_inference_cache(batch_size, dtype, device, capacity, kv_cache)
             for layer in self.decoder.layers
         ]

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from . import cuda, selection
-from .attention import causal_attention
+from .attention import block_sparse_causal_attention, causal_attention, decode_attention
 from .conv import causal_conv1d, causal_conv1d_step
 from .gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
 from .rotary import apply_rotary, rotary_cos_sin
@@ -41,6 +41,7 @@ class Kernels:
     ssd_chunk_scan: Callable
     ssd_step: Callable
     causal_attention: Callable
+    block_sparse_causal_attention: Callable
     names: Dict[str, str]
 
 
@@ -106,6 +107,8 @@ __all__ = [
     "ssd_chunk_scan",
     "ssd_step",
     "causal_attention",
+    "block_sparse_causal_attention",
+    "decode_attention",
     "apply_rotary",
     "rotary_cos_sin",
 ]

@@ -1,5 +1,6 @@
 """Causal softmax attention via torch's scaled_dot_product_attention (flash / efficient / math
-backend chosen by torch), with the queries aligned to the end of the key sequence."""
+backend chosen by torch), with the queries aligned to the end of the key sequence; and its
+block-sparse form, which computes only the query blocks where some token reads attention."""
 
 from typing import Optional
 
@@ -28,4 +29,51 @@ def causal_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [b, h, s, d]
         attn_mask=mask, is_causal=sq == sk, scale=scale,
     )  # [b, h, sq, d_v]
+    return o.transpose(1, 2)
+
+
+def block_sparse_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, read: torch.Tensor, block_size: int = 128,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Causal attention computed only for the query blocks that hold a reading position.
+
+    Args:
+        q: [b, sq, h, d_k]; k: [b, sk, h, d_k]; v: [b, sk, h, d_v], queries at the last sq positions.
+        read: [b, sq] bool, the positions whose output is wanted.
+        block_size: query positions per block; a block of a sequence is computed when any of its
+            positions reads, against every key up to the block's end.
+    Returns:
+        o [b, sq, h, d_v]: equal to ``causal_attention`` at every reading position, zero in blocks
+        where no position reads (other positions of a computed block hold their attention output).
+    """
+    b, sq = read.shape
+    offset = k.shape[1] - q.shape[1]
+    n_blocks = -(-sq // block_size)
+    block_reads = F.pad(read, (0, n_blocks * block_size - sq)).view(b, n_blocks, block_size).any(-1)  # [b, n]
+    if bool(block_reads.all()):
+        return causal_attention(q, k, v, scale)
+    o = q.new_zeros(*q.shape[:3], v.shape[-1])
+    for i, rows in enumerate(block_reads.t().tolist()):  # query block i of every sequence that reads in it
+        lo, hi = i * block_size, min((i + 1) * block_size, sq)
+        seqs = [n for n, reads in enumerate(rows) if reads]
+        if seqs:
+            idx = slice(None) if len(seqs) == b else torch.tensor(seqs, device=q.device)
+            o[idx, lo:hi] = causal_attention(q[idx, lo:hi], k[idx, : offset + hi], v[idx, : offset + hi], scale)
+    return o
+
+
+def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One query per sequence at ``position`` over a preallocated KV cache, without a host-side length.
+
+    Args:
+        q: [b, 1, h, d_k]; key: [b, capacity, h, d_k]; value: [b, capacity, h, d_v];
+        position: 0-dim long tensor, the query's position (cache entries 0..position are read).
+    Returns:
+        o [b, 1, h, d_v].
+    """
+    visible = (torch.arange(key.shape[1], device=key.device) <= position)[None]  # [1, capacity]
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=visible,
+    )  # [b, h, 1, d_v]
     return o.transpose(1, 2)

@@ -1,17 +1,18 @@
 """CUDA kernels behind the signatures of the pure-torch ops: flash-linear-attention (gated delta
-rule), mamba-ssm (SSD), causal-conv1d (short conv) and torch SDPA (attention; torch picks the
-flash backend on CUDA).
+rule), mamba-ssm (SSD), causal-conv1d (short conv), torch SDPA (attention; torch picks the
+flash backend on CUDA) and torch FlexAttention (attention over the query blocks that read it).
 
 The libraries are imported inside the functions, so this module imports anywhere; which kernels may
 run here is decided by ``selection``. Inputs a kernel does not take (CPU tensors, fp64; fp32 for fla's chunked kernel) run the torch op instead, so the
 numbers never depend on where a tensor happens to live.
 """
 
+import functools
 from typing import Tuple
 
 import torch
 
-from . import conv, gated_delta_rule, ssd
+from . import attention, conv, gated_delta_rule, ssd
 from .attention import causal_attention  # noqa: F401  (same SDPA call on every device)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -123,3 +124,36 @@ def ssd_step(x, dt, A, B, C, state, D=None):
         dt_softplus=False,
     )  # [b, h, p]
     return y, new_state.transpose(-1, -2)
+
+
+def block_sparse_causal_attention(q, k, v, read, block_size=128, scale=None):
+    """torch's FlexAttention (compiled) with a block mask from ``read``: query blocks with no reading
+    position are skipped by the kernel; shapes as `attention.block_sparse_causal_attention`."""
+    if not _kernel_takes(q):
+        return attention.block_sparse_causal_attention(q, k, v, read, block_size, scale)
+    o = _compiled_flex_attention()(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [b, h, s, d]
+        block_mask=read_block_mask(read, k.shape[1], block_size), scale=scale,
+    )  # [b, h, sq, d_v]
+    return o.transpose(1, 2)
+
+
+def read_block_mask(read, kv_len: int, block_size: int):
+    """FlexAttention's BlockMask: query i (the last read.shape[1] of kv_len positions) sees keys up to
+    its own position where read[b, i], nothing elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, sq = read.shape
+    offset = kv_len - sq
+
+    def reads_causally(batch, head, q_idx, kv_idx):
+        return (kv_idx <= q_idx + offset) & read[batch, q_idx]
+
+    return create_block_mask(reads_causally, b, None, sq, kv_len, device=read.device, BLOCK_SIZE=block_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)

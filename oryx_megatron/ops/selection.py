@@ -25,6 +25,7 @@ IMPLEMENTATIONS: Dict[str, Tuple[str, Optional[str], Optional[str]]] = {
     "ssd_chunk_scan": ("mamba_ssm", "mamba-ssm", "2.2.0"),
     "ssd_step": ("mamba_ssm", "mamba-ssm", "2.2.0"),
     "causal_attention": ("sdpa", None, None),
+    "block_sparse_causal_attention": ("flex_attention", None, None),
 }
 FORWARD_ONLY = ("causal_conv1d_step", "gated_delta_rule_step", "ssd_step")  # decode kernels: no backward
 # distribution -> its top-level module (whose __version__ counts where a source tree has no metadata)
@@ -135,6 +136,7 @@ def example_inputs(op: str, device="cpu", dtype=torch.float32, seed: int = 0, *,
     decay, beta = -rand(b, s, h).abs() * 0.1, rand(b, s, h).sigmoid()  # [b, s, h]
     dt, A, D = F.softplus(rand(b, s, h) - 2), -rand(h).exp(), rand(h)
     x, weight, conv_state = rand(b, s, h * d), rand(h * d, 4) * 0.5, rand(b, h * d, 3)  # conv channels h * d
+    read = (torch.arange(s) // 32 % 3 == 0).expand(b, s)  # [b, s]: every third block of 32 reads
     args = {
         "causal_conv1d": (x, weight, None, conv_state),
         "causal_conv1d_step": (x[:, 0], conv_state, weight),
@@ -143,8 +145,10 @@ def example_inputs(op: str, device="cpu", dtype=torch.float32, seed: int = 0, *,
         "ssd_chunk_scan": (v, dt, A, k, q, D, state, True, 64),  # x=v, dt, A, B=k, C=q
         "ssd_step": (v[:, 0], dt[:, 0], A, k[:, 0], q[:, 0], state, D),
         "causal_attention": (q, k, v),
+        "block_sparse_causal_attention": (q, k, v, read, 32),
     }[op]
-    return tuple(a.to(device=device, dtype=dtype) if torch.is_tensor(a) else a for a in args)
+    return tuple(a.to(device=device, dtype=dtype if a.is_floating_point() else a.dtype) if torch.is_tensor(a) else a
+                 for a in args)
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -5,6 +5,8 @@
 
 Prints each prompt with its continuation, then the stats of the run: tokens fed in each mode,
 attention-token fraction, prefill and decode tokens/s, cache memory (KV vs recurrent state).
+``--no-kv-cache`` generates linear-only without a KV cache; ``--speculative K`` decodes one
+prompt by self-speculative decoding (linear drafts K tokens, attention verifies them).
 The tokenizer is the dataset's (``tokenizer.json`` next to its manifest, or the byte
 tokenizer); ``--tokenizer`` overrides it (required for Megatron indexed datasets).
 """
@@ -16,7 +18,15 @@ from typing import List, Optional
 
 from data_prep import PrepError
 from data_prep.tokenizer import AnyTokenizer
-from oryx_megatron.inference import ALL_ATTENTION, GenerationStats, SamplingParams, generate, parse_schedule
+from oryx_megatron.inference import (
+    ALL_ATTENTION,
+    GenerationStats,
+    SamplingParams,
+    generate,
+    parse_schedule,
+    speculative_generate,
+)
+from oryx_megatron.inference.generation import schedule_prompts
 from oryx_megatron.tools.loading import add_model_arguments, dataset_tokenizer, load_checkpoint
 
 
@@ -48,6 +58,9 @@ def format_stats(stats: GenerationStats) -> str:
         ("decode tokens/s", f"{stats.decode_tokens_per_s:,.1f}  ({stats.decode_tokens:,} tokens)"),
         *((f"cache {kind} bytes", f"{n:,}") for kind, n in stats.cache_bytes.items()),
     ]
+    if stats.drafted:
+        rows.append(("speculative drafted / accepted", f"{stats.drafted:,} / {stats.accepted:,}  "
+                                                      f"(acceptance {stats.acceptance_rate:.3f})"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -84,7 +97,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", nargs="+", default=[],
                         help="one-token texts that end a continuation (EOD always does)")
     parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the dataset's)")
+    parser.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                        help="keep no KV cache: linear-only generation (a schedule reading attention is refused)")
+    parser.add_argument("--speculative", type=int, default=0, metavar="K",
+                        help="self-speculative decoding of one prompt: linear mode drafts K tokens, attention "
+                             "mode verifies them (generated tokens read attention; 0: off)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="replay one-token decode steps from CUDA graphs (default: on CUDA devices)")
     return parser
+
+
+def check_decoding(parser: argparse.ArgumentParser, args: argparse.Namespace, n_prompts: int) -> None:
+    """Errors of the decoding flags that need no model."""
+    if args.speculative < 0:
+        parser.error(f"argument --speculative: must be >= 0, got {args.speculative}")
+    if args.speculative and not args.kv_cache:
+        parser.error("--speculative verifies drafts in attention mode and needs the KV cache; drop --no-kv-cache")
+    if args.speculative and n_prompts != 1:
+        parser.error(f"--speculative decodes one prompt at a time, got {n_prompts} prompts")
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        parser.error(f"--cuda-graphs needs --device cuda, got --device {args.device}")
+
+
+def check_linear_only(parser: argparse.ArgumentParser, args: argparse.Namespace, encoded: List[List[int]],
+                      vocab_size: int) -> None:
+    """--no-kv-cache: no position the schedule feeds may read attention (checked before generating)."""
+    try:
+        schedule_prompts(encoded, args.schedule, args.max_new_tokens, vocab_size, "cpu").require_linear_only()
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -97,6 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     prompts = read_prompts(parser, args)
+    check_decoding(parser, args, len(prompts))
     model, run = load_checkpoint(parser, args)
     try:
         tokenizer = dataset_tokenizer(run, args.tokenizer)
@@ -114,8 +156,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if total > run.model.max_sequence_length:
         parser.error(f"prompt {longest}: {len(encoded[longest])} tokens + --max-new-tokens {args.max_new_tokens} = "
                      f"{total} exceeds the model's max_sequence_length {run.model.max_sequence_length}")
-    result = generate(model, encoded, args.schedule, args.max_new_tokens, sampling=sampling,
-                      stop_token_ids=stops, vocab_size=tokenizer.vocab_size)
+    if not args.kv_cache:
+        check_linear_only(parser, args, encoded, tokenizer.vocab_size)
+    common = dict(sampling=sampling, stop_token_ids=stops, vocab_size=tokenizer.vocab_size,
+                  cuda_graphs=args.cuda_graphs)
+    if args.speculative:
+        result = speculative_generate(model, encoded, args.schedule, args.max_new_tokens, args.speculative, **common)
+    else:
+        result = generate(model, encoded, args.schedule, args.max_new_tokens, kv_cache=args.kv_cache, **common)
     for i, (prompt, tokens, reason) in enumerate(zip(prompts, result.tokens, result.finish_reasons)):
         print(f"=== [{i}] {len(tokens)} tokens, finish: {reason}, schedule: {args.schedule}")
         print(prompt + tokenizer.decode(tokens))

@@ -67,7 +67,9 @@ PERF_SKIP = 2  # first steps left out of the throughput medians (compile, autotu
 
 ACT, GATE = torch.bfloat16, torch.float32  # activations bf16; gates and recurrent states fp32, as the layers pass them
 CONV_WIDTH = 4
-SEQUENCE_OPS = ("causal_conv1d", "chunk_gated_delta_rule", "ssd_chunk_scan", "causal_attention")  # with a backward
+SEQUENCE_OPS = ("causal_conv1d", "chunk_gated_delta_rule", "ssd_chunk_scan", "causal_attention",
+                "block_sparse_causal_attention")  # with a backward
+SPARSE_BLOCK = 64  # query block of block_sparse_causal_attention; every other block reads
 OUTPUT_NAMES = {
     "causal_conv1d": ("y", "final_state"),
     "causal_conv1d_step": ("y", "new_state"),
@@ -76,6 +78,7 @@ OUTPUT_NAMES = {
     "ssd_chunk_scan": ("y", "final_state"),
     "ssd_step": ("y", "new_state"),
     "causal_attention": ("o",),
+    "block_sparse_causal_attention": ("o",),
 }
 VERSIONS = {  # report name -> (distributions, module)
     "torch": (("torch",), "torch"),
@@ -333,6 +336,8 @@ def kernel_cases() -> List[Tuple[str, str]]:
     for op in ops.OPS:
         if op == "causal_attention":
             cases.append((op, "causal"))
+        elif op == "block_sparse_causal_attention":
+            cases.append((op, f"every other block of {SPARSE_BLOCK} reads"))
         elif op in SEQUENCE_OPS:
             cases += [(op, "no initial state"), (op, "initial state")]
         else:
@@ -367,8 +372,12 @@ def kernel_inputs(op: str, shape: Tuple[int, int, int, int], with_state: bool,
                 "B": (rand(b, *seq, h, d), ACT), "C": (rand(b, *seq, h, d), ACT),  # [b, (s,) h, n]
                 "D": (rand(h), ACT)}  # [h], a parameter of the model
         state = (rand(b, h, d, d) / 4, GATE)  # [b, h, n, p]
-    else:  # causal_attention
-        return {name: (rand(b, s, h, d), ACT) for name in ("q", "k", "v")}  # [b, s, h, d]
+    else:  # causal_attention, block_sparse_causal_attention
+        args = {name: (rand(b, s, h, d), ACT) for name in ("q", "k", "v")}  # [b, s, h, d]
+        if op == "block_sparse_causal_attention":
+            read = (torch.arange(s) // SPARSE_BLOCK % 2 == 0).expand(b, s).clone()  # [b, s]
+            args.update(read=(read, torch.bool), block_size=SPARSE_BLOCK)
+        return args
     if with_state or step:
         args[state_name] = state
     return args
@@ -387,8 +396,9 @@ class KernelCall:
             op, grad = self.op, self.op in SEQUENCE_OPS
             gen = torch.Generator().manual_seed(zlib.crc32(f"{op}/{self.case}".encode()))
             values = kernel_inputs(op, self.setup.sizes.kernel_shape, self.case == "initial state", gen)
-            inputs = {n: v.to(self.setup.device, dtype).requires_grad_(grad) for n, (v, dtype) in values.items()}
-            ref_inputs = {n: t.detach().double().requires_grad_(grad) for n, t in inputs.items()}  # same values
+            inputs = {n: _on(value, self.setup.device, grad) for n, value in values.items()}
+            ref_inputs = {n: _on((t, torch.float64), self.setup.device, grad) if _differentiable(t) else t
+                          for n, t in inputs.items()}  # same values
             got, want = getattr(cuda, op)(**inputs), ops.TORCH_OPS[op](**ref_inputs)
             self._run = (inputs, ref_inputs, *(t if isinstance(t, tuple) else (t,) for t in (got, want)))
         return self._run
@@ -407,7 +417,22 @@ class KernelCall:
                 for name, ref in ref_grads.items()}
 
 
+def _differentiable(x) -> bool:
+    return torch.is_tensor(x) and x.is_floating_point()
+
+
+def _on(value, device, grad: bool):
+    """A kernel argument: (fp64 values, dtype) -> a tensor on ``device`` (a leaf requiring grad when
+    ``grad`` and floating); other arguments (block sizes) as they are."""
+    if not isinstance(value, tuple):
+        return value
+    tensor, dtype = value
+    tensor = tensor.detach().to(device, dtype)
+    return tensor.requires_grad_(grad) if tensor.is_floating_point() else tensor
+
+
 def _grads(outputs, weights, leaves: Dict[str, torch.Tensor]) -> Dict[str, Optional[torch.Tensor]]:
+    leaves = {name: t for name, t in leaves.items() if _differentiable(t)}
     loss = sum((t.double() * w).sum() for t, w in zip(outputs, weights))
     return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)))
 

@@ -1,9 +1,12 @@
-"""Causal SDPA attention == an explicit masked softmax, bottom-right aligned."""
+"""Causal SDPA attention == an explicit masked softmax, bottom-right aligned; its block-sparse form
+== the dense one at every reading position, gradients included."""
+
+import warnings
 
 import pytest
 import torch
 
-from oryx_megatron.ops import causal_attention
+from oryx_megatron.ops import block_sparse_causal_attention, causal_attention, cuda
 
 B, H, DK, DV = 2, 3, 4, 5
 
@@ -37,3 +40,68 @@ def test_queries_are_the_last_positions():
     full = causal_attention(q, k, v)
     assert (causal_attention(q[:, -1:], k, v) - full[:, -1:]).abs().max() < 1e-12
     assert (causal_attention(q[:, -3:], k, v) - full[:, -3:]).abs().max() < 1e-12
+
+
+def chunk_reads(sq, chunk, p, seed):
+    """[B, sq] bool: per chunk of ``chunk`` positions, attention with probability p (as training modes)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_chunk = torch.rand(B, -(-sq // chunk), generator=gen) < p
+    return per_chunk.repeat_interleave(chunk, dim=1)[:, :sq]
+
+
+def sparse_vs_dense(sq, sk, read, block_size):
+    """Outputs and input gradients of a loss over the reading positions, sparse and dense."""
+    results = []
+    for attend in (lambda q, k, v: block_sparse_causal_attention(q, k, v, read, block_size), causal_attention):
+        q, k, v = (t.requires_grad_() for t in make_qkv(sq, sk, seed=3))
+        o = attend(q, k, v)
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(4), dtype=o.dtype)
+        loss = (o * w * read[:, :, None, None]).sum()
+        grads = torch.autograd.grad(loss, (q, k, v)) if loss.requires_grad else [torch.zeros_like(t) for t in (q, k, v)]
+        results.append((o.detach(), *grads))
+    return results
+
+
+@pytest.mark.parametrize("sq,sk,chunk,block_size", [
+    (64, 64, 16, 16),  # chunks = blocks, dividing the length
+    (50, 50, 12, 16),  # neither divides the length; chunks straddle blocks
+    (37, 37, 8, 8),
+    (20, 45, 5, 8),  # queries after a cached prefix (prefill continuing a cache)
+])
+@pytest.mark.parametrize("p", [0.0, 0.3, 0.7, 1.0])
+def test_block_sparse_equals_dense_at_reading_positions_fp64(sq, sk, chunk, block_size, p):
+    read = chunk_reads(sq, chunk, p, seed=sq + int(10 * p))
+    (o, *grads), (want, *want_grads) = sparse_vs_dense(sq, sk, read, block_size)
+    mask = read[:, :, None, None]
+    assert ((o - want) * mask).abs().max() < 1e-12
+    for got, ref in zip(grads, want_grads):  # only reading positions enter the loss
+        assert (got - ref).abs().max() < 1e-12
+    if not read.any():
+        assert torch.equal(o, torch.zeros_like(o))  # all-linear: no attention computed at all
+
+
+def test_block_sparse_skips_blocks_without_readers():
+    q, k, v = make_qkv(32, 32)
+    read = torch.zeros(B, 32, dtype=torch.bool)
+    read[0, 9] = True  # one reader in block 1 of sequence 0
+    o = block_sparse_causal_attention(q, k, v, read, block_size=8)
+    computed = o.abs().sum(dim=(2, 3)) > 0  # [B, sq]
+    assert computed[0, 8:16].all() and not computed[0, :8].any() and not computed[0, 16:].any()
+    assert not computed[1].any()
+    assert (o[0, 8:16] - causal_attention(q, k, v)[0, 8:16]).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("sq,sk", [(48, 48), (40, 56)])
+def test_flex_block_mask_of_the_cuda_kernel_fp64(sq, sk):
+    """The CUDA kernel's block mask, run through eager FlexAttention on the CPU, equals the torch op."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = make_qkv(sq, sk, seed=5)
+    read = chunk_reads(sq, 16, 0.5, seed=6)
+    read[0, 0] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is meant to be compiled
+        o = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                           block_mask=cuda.read_block_mask(read, sk, 16)).transpose(1, 2)
+    want = block_sparse_causal_attention(q, k, v, read, 16)
+    assert ((o - want) * read[:, :, None, None]).abs().max() < 1e-12

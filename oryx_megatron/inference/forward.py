@@ -1,0 +1,62 @@
+"""What every decoding loop shares: the model checks, eval mode, and one forward through the caches."""
+
+import contextlib
+from typing import Tuple, Union
+
+import numpy as np
+import torch
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from torch import Tensor
+
+from oryx_megatron.config import Mode
+
+
+def check_model(model: torch.nn.Module) -> Tuple[torch.device, torch.dtype]:
+    """The device and dtype of a model that can decode with caches; else a TypeError/ValueError."""
+    if not hasattr(model, "allocate_inference_cache"):
+        raise TypeError(f"generation needs a model with an inference cache (OryxModel), got {type(model).__name__}")
+    if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+        raise ValueError("generation needs the whole model on one pipeline stage (pipeline_model_parallel_size=1)")
+    param = next(model.parameters())
+    return param.device, param.dtype
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Eval mode and no autograd inside; the model gets its training flag back after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def mode_arg(host_modes: np.ndarray, modes: Tensor) -> Union[Mode, Tensor]:
+    """The ``modes`` argument of one call: a Mode when every token reads one mode (decided on the
+    host copy host_modes [b, s], no device sync), else the device tensor modes [b, s]."""
+    first = host_modes.flat[0]
+    return Mode(int(first)) if (host_modes == first).all() else modes
+
+
+def cached_logits(model, ids: Tensor, modes: Union[Mode, Tensor], caches, last_only: bool = False) -> Tensor:
+    """Feed ids [b, s] through the caches; the full-vocab logits of every position [b, s, V], or of
+    the last one [b, 1, V] with ``last_only`` (a prefill)."""
+    logits = model(ids, modes, inference_cache=caches, last_token_logits=last_only)
+    if last_only:
+        logits = logits[:, -1:]  # under sequence parallelism the model returns every position
+    if getattr(model, "parallel_output", False):
+        logits = gather_from_tensor_model_parallel_region(logits)  # vocab shards -> full vocab (no-op at TP=1)
+    return logits
+
+
+def snapshot(caches) -> list:
+    """A snapshot of every layer's cache (``MixerCache.snapshot``)."""
+    return [cache.snapshot() for cache in caches]
+
+
+def restore(caches, saved: list) -> None:
+    """Every layer's cache back to its snapshot, in place."""
+    for cache, state in zip(caches, saved):
+        cache.restore(state)

@@ -1,0 +1,103 @@
+"""Core attention of the Transformer baseline's local spec: torch scaled_dot_product_attention.
+
+megatron's local ``DotProductAttention`` materialises the [b, h, s, s] scores and runs an
+unfused softmax over an explicit mask; ``CausalSDPAttention`` computes the same causal
+attention with ``F.scaled_dot_product_attention(..., is_causal=True)`` (flash attention on
+CUDA, no mask tensor), so the baseline the Oryx layers are compared with is a fair one.
+
+It is built and called exactly as megatron's SelfAttention builds and calls its core attention
+(``CoreAttentionBuilder`` / ``CoreAttention`` in megatron/core/transformer/attention.py):
+query, key, value [s, b, heads of this TP rank, d] in, [s, b, heads of this TP rank * d] out.
+"""
+
+import math
+from contextlib import nullcontext
+from typing import Optional
+
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+from torch import Tensor
+
+
+class CausalSDPAttention(MegatronModule):
+    """Causal softmax attention over the whole sequence (training and full-sequence forward).
+
+    The scores are scaled by ``softmax_scale`` (1/sqrt(kv_channels) by default) as megatron's
+    DotProductAttention scales them (its ``apply_query_key_layer_scaling`` divides and multiplies
+    back by the layer number: the same net scale). Grouped-query keys and values are repeated
+    per query head as megatron repeats them. Unsupported there and here: context parallelism,
+    packed sequences, attention bias; not offered here: sliding windows and softmax variants.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"CausalSDPAttention: attn_mask_type={attn_mask_type}, expected causal")
+        if config.context_parallel_size != 1 or config.window_size is not None or config.softmax_type != "vanilla":
+            raise ValueError(
+                "CausalSDPAttention supports context_parallel_size=1, window_size=None and "
+                f"softmax_type='vanilla', got {config.context_parallel_size}, {config.window_size!r}, "
+                f"{config.softmax_type!r}"
+            )
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        tp_size = (
+            pg_collection.tp.size()
+            if pg_collection is not None
+            else parallel_state.get_tensor_model_parallel_world_size()
+        )
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.hidden_size_per_partition = divide(config.kv_channels * config.num_attention_heads, tp_size)
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> Tensor:
+        """query [sq, b, np, hn], key and value [sk, b, ng, hn] -> [sq, b, np * hn]; sq == sk."""
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("CausalSDPAttention computes the causal mask itself: pass attention_mask=None, "
+                             "and no attention_bias or packed_seq_params")
+        if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal:
+            raise ValueError(f"CausalSDPAttention: attn_mask_type={attn_mask_type}, expected causal")
+        if query.shape[0] != key.shape[0]:
+            raise ValueError(
+                f"CausalSDPAttention needs as many queries as keys, got {query.shape[0]} and {key.shape[0]}"
+            )
+        repeats = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if repeats > 1:
+            key = key.repeat_interleave(repeats, dim=2)
+            value = value.repeat_interleave(repeats, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
+        dropout_p = self.dropout_p if self.training else 0.0
+        forked_rng = dropout_p > 0.0 and not self.config.sequence_parallel  # as DotProductAttention
+        with tensor_parallel.get_cuda_rng_tracker().fork() if forked_rng else nullcontext():
+            context = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale
+            )
+        sq, b = query.shape[:2]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

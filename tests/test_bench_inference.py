@@ -1,0 +1,38 @@
+"""tools/bench/bench_inference.py: a CPU toy run prints the table with every schedule row and writes its JSON."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("single_process_parallel", "one_thread")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "bench" / "bench_inference.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_inference", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_toy_run_prints_every_schedule_row(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench = load_bench()
+    assert bench.main(["--device", "cpu", "--contexts", "32", "64", "--batches", "1", "2", "--new-tokens", "4",
+                       "--repeats", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split() == list(bench.COLUMNS)
+    rows = [line.split() for line in table[3:]]
+    expected = [(s, c, b) for c in (32, 64) for b in (1, 2)
+                for s in bench.SCHEDULES + (("speculative k=4",) if b == 1 else ())]
+    assert [(" ".join(r[:-8]), int(r[-8]), int(r[-7])) for r in rows] == expected
+    data = json.loads(out.read_text())
+    assert data["model"] == "tiny_oryx_tg" and len(data["rows"]) == len(expected)
+    for row in data["rows"]:
+        assert row["decode_tok_per_s"] > 0 and row["prefill_s"] > 0 and row["cache_mb"] > 0
+        assert (row["acceptance"] is None) == (not row["schedule"].startswith("speculative"))
+        if row["schedule"] == "all_attention":
+            assert row["vs_attention"] == 1.0

@@ -1,0 +1,181 @@
+"""What a MultiMixer computes only where it is read, its static inference cache, the K/V gates
+and selective recomputation (fp64 where exactness is claimed)."""
+
+import pytest
+import torch
+
+from oryx_megatron.config import Mode
+from oryx_megatron.layers import multi_mixer
+from oryx_megatron.ops import causal_attention
+from tests.helpers import build_mixer
+from tests.test_multi_mixer import B, HIDDEN, FAMILIES, hidden_states, random_modes, run_decode, run_parallel
+
+pytestmark = pytest.mark.usefixtures("single_process_parallel")
+
+LONG, QUERY_BLOCK = 72, 16  # several query blocks, the last one partial
+
+
+def long_modes(seed, chunk, p_attention):
+    g = torch.Generator().manual_seed(seed)
+    per_chunk = (torch.rand(B, -(-LONG // chunk), generator=g) < p_attention).to(torch.int8)  # 1 = attention
+    return per_chunk.repeat_interleave(chunk, dim=1)[:, :LONG]
+
+
+def loss_and_grads(mixer, x, modes):
+    x = x.clone().requires_grad_()
+    out = run_parallel(mixer, x, modes)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    (out * w).sum().backward()
+    grads = {name: p.grad.clone() for name, p in mixer.named_parameters() if p.grad is not None}
+    mixer.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, grads
+
+
+def dense_attention(mixer, monkeypatch):
+    """Make the mixer compute attention at every position (the computation before block sparsity)."""
+    monkeypatch.setattr(mixer.core_attention, "forward", lambda q, k, v, read=None: causal_attention(q, k, v))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("chunk,p_attention", [(16, 0.5), (12, 0.3), (16, 0.0), (16, 1.0)])
+def test_attention_only_where_read_equals_dense_with_gradients(family, chunk, p_attention, monkeypatch):
+    mixer = build_mixer(family)
+    mixer.core_attention.query_block = QUERY_BLOCK
+    x, modes = hidden_states(20, s=LONG), long_modes(21, chunk, p_attention)
+    sparse = loss_and_grads(mixer, x, modes)
+    dense_attention(mixer, monkeypatch)
+    dense = loss_and_grads(mixer, x, modes)
+    assert (sparse[0] - dense[0]).abs().max() < 1e-12
+    assert (sparse[1] - dense[1]).abs().max() < 1e-12
+    assert sparse[2].keys() == dense[2].keys()
+    for name in dense[2]:
+        assert (sparse[2][name] - dense[2][name]).abs().max() < 1e-12, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", list(Mode))
+def test_a_mode_value_reads_only_that_mixer(family, mode, monkeypatch):
+    """Passing a Mode equals passing it for every token, and runs only that mode's mixer."""
+    mixer = build_mixer(family)
+    x = hidden_states(22)
+    want = run_parallel(mixer, x, torch.full((B, x.shape[0]), int(mode), dtype=torch.int8))
+    calls = []
+    for name, module in ((Mode.ATTENTION, mixer.core_attention), (Mode.LINEAR, mixer.linear_mixer)):
+        def spy(*args, _forward=module.forward, _name=name, **kwargs):
+            calls.append(_name)
+            return _forward(*args, **kwargs)
+        monkeypatch.setattr(module, "forward", spy)
+    assert (run_parallel(mixer, x, mode) - want).abs().max() < 1e-12
+    assert calls == [mode]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_with_mode_values_equals_per_token_modes(family):
+    mixer = build_mixer(family)
+    x = hidden_states(23)
+    modes = torch.full((B, x.shape[0]), int(Mode.ATTENTION), dtype=torch.int8)
+    modes[:, 17:] = Mode.LINEAR
+    want = run_decode(mixer, x, modes, prefill=9)
+    cache = mixer.allocate_inference_cache(B, torch.float64)
+    outs = [mixer(x[:9], Mode.ATTENTION, inference_cache=cache)[0]]
+    outs += [mixer.step(x[t : t + 1], Mode(int(modes[0, t])), cache)[0] for t in range(9, x.shape[0])]
+    assert (torch.cat(outs) - want).abs().max() < 1e-12
+
+
+# ---- the static cache ----
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cache_grows_in_blocks_and_keeps_its_tokens(family, monkeypatch):
+    monkeypatch.setattr(multi_mixer, "KV_BLOCK", 8)
+    mixer = build_mixer(family)
+    x, modes = hidden_states(24), random_modes(25, chunk=4)
+    cache = mixer.allocate_inference_cache(B, torch.float64, capacity=5)
+    assert cache.capacity == 8 and cache.nbytes()["kv"] == 2 * B * 8 * mixer.num_heads * mixer.d_k * 8
+    outs = [mixer(x[:11], modes[:, :11], inference_cache=cache)[0]]  # prefill past the capacity
+    assert cache.capacity == 16 and cache.seqlen == 11 and int(cache.position) == 11
+    key = cache.key
+    outs += [mixer.step(x[t : t + 1], modes[:, t], cache)[0] for t in range(11, 16)]
+    assert cache.key is key  # decode writes in place
+    assert cache.reserve(17) and cache.capacity == 24 and not cache.reserve(20)
+    outs += [mixer.step(x[t : t + 1], modes[:, t], cache)[0] for t in range(16, x.shape[0])]
+    assert (torch.cat(outs) - run_parallel(mixer, x, modes)).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_snapshot_restore_continues_exactly(family):
+    mixer = build_mixer(family)
+    x, modes = hidden_states(26), random_modes(27, chunk=4)
+    cache = mixer.allocate_inference_cache(B, torch.float64)
+    mixer(x[:10], modes[:, :10], inference_cache=cache)
+    snap = cache.snapshot()
+    first = [mixer.step(x[t : t + 1], modes[:, t], cache)[0] for t in range(10, 15)]
+    other = hidden_states(28)  # different tokens overwrite every state
+    mixer(other[:4], Mode.LINEAR, inference_cache=cache)
+    cache.restore(snap)
+    assert cache.seqlen == 10 and int(cache.position) == 10
+    again = [mixer.step(x[t : t + 1], modes[:, t], cache)[0] for t in range(10, 15)]
+    assert torch.equal(torch.cat(first), torch.cat(again))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_kv_cache_linear_only(family):
+    mixer = build_mixer(family)
+    x = hidden_states(29)
+    linear = torch.full((B, x.shape[0]), int(Mode.LINEAR), dtype=torch.int8)
+    want = run_decode(mixer, x, linear, prefill=7)
+    cache = mixer.allocate_inference_cache(B, torch.float64, kv_cache=False)
+    assert cache.key is None and cache.nbytes()["kv"] == 0
+    outs = [mixer(x[:7], linear[:, :7], inference_cache=cache)[0]]
+    outs += [mixer.step(x[t : t + 1], Mode.LINEAR, cache)[0] for t in range(7, x.shape[0])]
+    assert (torch.cat(outs) - want).abs().max() < 1e-12
+    with pytest.raises(ValueError, match="no KV cache.*linear-only schedule"):
+        mixer.step(x[:1], Mode.ATTENTION, cache)
+    with pytest.raises(ValueError, match="no KV cache"):
+        mixer(x[:5], random_modes(30)[:, :5].fill_(Mode.ATTENTION), inference_cache=cache)
+
+
+# ---- K/V gates ----
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kv_gate", ["silu", "sigmoid"])
+def test_kv_gate_parallel_equals_decode(family, kv_gate):
+    mixer = build_mixer(family, kv_gate=kv_gate)
+    x, modes = hidden_states(31), random_modes(32, chunk=4)
+    assert (run_decode(mixer, x, modes, prefill=11) - run_parallel(mixer, x, modes)).abs().max() < 1e-9
+
+
+def test_kv_gate_multiplies_keys_and_values_and_is_shared():
+    plain, gated = build_mixer("oryx_tg"), build_mixer("oryx_tg", kv_gate="sigmoid")
+    assert set(gated.streams) - set(plain.streams) == {"k_gate", "v_gate"}
+    extra = plain.num_heads * (plain.d_k + plain.d_v) * HIDDEN  # the gates' rows of in_proj
+    p, g = plain.parameter_counts(), gated.parameter_counts()
+    assert g["shared"] - p["shared"] == extra and g["attention"] == p["attention"] and g["linear"] == p["linear"]
+    x, modes = hidden_states(33), random_modes(34, chunk=4)
+    assert (run_parallel(plain, x, modes) - run_parallel(gated, x, modes)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="kv_gate='tanh'"):
+        build_mixer("oryx_tg", kv_gate="tanh")
+
+
+# ---- selective recomputation ----
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_selective_recompute_same_gradients_less_saved(family):
+    x, modes = hidden_states(35, s=64), random_modes(36)[:, :1].expand(B, 64).contiguous()
+    results, saved = {}, {}
+    for granularity in (None, "selective"):
+        mixer = build_mixer(family)
+        mixer.config.recompute_granularity = granularity
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results[granularity] = loss_and_grads(mixer, x, modes)
+        saved[granularity] = sum(sizes)
+    base, recomputed = results[None], results["selective"]
+    assert torch.equal(base[0], recomputed[0]) and torch.equal(base[1], recomputed[1])
+    for name in base[2]:
+        assert torch.equal(base[2][name], recomputed[2][name]), name
+    assert saved["selective"] < 0.5 * saved[None]

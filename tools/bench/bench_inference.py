@@ -1,0 +1,138 @@
+"""Generation speed of a recipe's model (random weights) per schedule, context length and batch.
+
+    .venv/bin/python tools/bench/bench_inference.py [--model tiny_oryx_tg] [--contexts 256 1024] \\
+        [--batches 1 4] [--new-tokens 16] [--speculative 4] [--json out.json]
+
+For every (context, batch): all_attention (the baseline), all_linear, "prefill=linear
+decode=attention", and self-speculative decoding with k = --speculative drafts (batch 1). Each
+row: prefill seconds, decode ms per step (one token per sequence), decode tokens/s (all
+sequences), its ratio to all_attention at the same context and batch in this run, cache memory
+(MB, allocated), and the acceptance rate of speculative rows. Defaults: on CPU tiny_oryx_tg,
+fp32, contexts 256/1024, batches 1/4; on CUDA oryx_tg_130m, bf16, contexts 1k-64k, batches 1/8/64
+(batch x context up to 2^20 tokens).
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+from tqdm import tqdm
+
+from oryx_megatron.inference import generate, speculative_generate
+from oryx_megatron.models.builder import build_model, transformer_config
+from oryx_megatron.parallel import initialize_parallel
+from oryx_megatron.tools.params import load_model_args
+
+SCHEDULES = ("all_attention", "all_linear", "prefill=linear decode=attention")
+COLUMNS = ("schedule", "context", "batch", "prefill_s", "decode_ms_per_step", "decode_tok_per_s",
+           "vs_attention", "cache_mb", "acceptance")
+DEFAULTS = {  # device type: model, dtype, contexts, batches, new tokens, max batch x context
+    "cpu": ("tiny_oryx_tg", "float32", [256, 1024], [1, 4], 16, None),
+    "cuda": ("oryx_tg_130m", "bfloat16", [1024, 4096, 16384, 65536], [1, 8, 64], 128, 2**20),
+}
+
+
+def build(recipe: str, max_length: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The recipe's model with random weights (seed 0), max_sequence_length raised to max_length."""
+    args = load_model_args([f"model={recipe}"])
+    args = dataclasses.replace(args, max_sequence_length=max(args.max_sequence_length, max_length))
+    initialize_parallel()
+    torch.manual_seed(0)
+    model = build_model(args, transformer_config(args, params_dtype=dtype, perform_initialization=True))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def measure(model, schedule: str, context: int, batch: int, new_tokens: int, speculative: int) -> dict:
+    """One generate() (or speculative_generate()) of new_tokens greedy tokens after random prompts."""
+    g = torch.Generator().manual_seed(context + batch)
+    prompts = torch.randint(0, model.vocab_size, (batch, context), generator=g).tolist()
+    if speculative:
+        result = speculative_generate(model, prompts, "all_attention", new_tokens, speculative)
+    else:
+        result = generate(model, prompts, schedule, new_tokens)
+    stats, steps = result.stats, len(result.tokens[0]) - 1
+    return dict(
+        schedule=f"speculative k={speculative}" if speculative else schedule,
+        context=context,
+        batch=batch,
+        prefill_s=stats.prefill_seconds,
+        decode_ms_per_step=stats.decode_seconds / max(steps, 1) * 1e3,
+        decode_tok_per_s=stats.decode_tokens_per_s,
+        cache_mb=sum(stats.cache_bytes.values()) / 2**20,
+        acceptance=stats.acceptance_rate if speculative else None,
+    )
+
+
+def cases(contexts, batches, speculative, max_tokens):
+    """(schedule, context, batch, speculative k) in table order; the baseline first in each group.
+    Groups with batch x context > max_tokens are left out."""
+    for context in contexts:
+        for batch in batches:
+            if max_tokens is not None and batch * context > max_tokens:
+                continue
+            yield from ((s, context, batch, 0) for s in SCHEDULES)
+            if speculative and batch == 1:
+                yield "all_attention", context, batch, speculative
+
+
+def format_table(rows) -> str:
+    """Aligned plain text, one row per measurement."""
+    def cell(value):
+        if value is None:
+            return "-"
+        return f"{value:,.3f}" if isinstance(value, float) else str(value)
+
+    cells = [list(COLUMNS)] + [[cell(row[c]) for c in COLUMNS] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    device_default = "cuda" if torch.cuda.is_available() else "cpu"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=device_default)
+    parser.add_argument("--model", help="a recipe under recipes/model "
+                                        "(default: tiny_oryx_tg on CPU, oryx_tg_130m on CUDA)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float64"))
+    parser.add_argument("--contexts", type=int, nargs="+")
+    parser.add_argument("--batches", type=int, nargs="+")
+    parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--speculative", type=int, default=4, help="drafts per round of the speculative rows (0: none)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row; the fastest decode is kept")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models run fastest on one)")
+    parser.add_argument("--max-batch-tokens", type=int,
+                        help="skip (context, batch) with batch x context above this (default on CUDA: 2^20)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    model_name, dtype, contexts, batches, new_tokens, max_tokens = DEFAULTS[torch.device(args.device).type]
+    model_name, dtype = args.model or model_name, args.dtype or dtype
+    contexts, batches, new_tokens = args.contexts or contexts, args.batches or batches, args.new_tokens or new_tokens
+
+    torch.set_num_threads(args.threads)
+    model = build(model_name, max(contexts) + new_tokens, getattr(torch, dtype), args.device)
+    measure(model, "all_attention", 16, 1, 4, 0)  # warm-up
+    todo = list(cases(contexts, batches, args.speculative, args.max_batch_tokens or max_tokens))
+    rows, baseline = [], {}
+    for schedule, context, batch, k in tqdm(todo, desc="bench_inference", file=sys.stderr):
+        row = min((measure(model, schedule, context, batch, new_tokens, k) for _ in range(args.repeats)),
+                  key=lambda r: r["decode_ms_per_step"])
+        if row["schedule"] == "all_attention":
+            baseline[context, batch] = row["decode_tok_per_s"]
+        row["vs_attention"] = row["decode_tok_per_s"] / baseline[context, batch]
+        rows.append(row)
+    print(f"model {model_name} (random weights), {dtype}, {args.device}, {new_tokens} new tokens, greedy, "
+          f"fastest of {args.repeats}; vs_attention = decode tokens/s / all_attention's at the same context and batch")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            meta = dict(model=model_name, dtype=dtype, device=args.device, new_tokens=new_tokens)
+            json.dump(dict(meta, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""Training-step benchmark: every model family at one recipe shape, in one table.
+
+    # CPU toy run (fp32, ~15 s on 2 cores)
+    .venv/bin/python tools/bench/bench_train_step.py --model-size tiny --seq 256 --micro-batch 2 --repeats 2
+    # one H100/H200 (bf16), the issue's shapes
+    python tools/bench/bench_train_step.py --model-size 130m --seq 2048 --micro-batch 8 \\
+        --p-attention 1.0 0.5 0.1 --recompute none selective full --json bench_130m.json
+
+Rows: the Transformer baseline (megatron's GPTModel, local spec with SDPA core attention),
+an attention-only Oryx layer stack (the oryx_tg recipe with ``mixers="attention"``),
+Oryx-TM and Oryx-TG (one row per ``--p-attention``: modes per chunk of ``--chunk`` tokens,
+``random_chunks`` of ``oryx_megatron.data.modes`` drawn with seed 0), Mamba-2 and GDN; each
+once per ``--recompute`` setting (megatron's ``recompute_granularity``: none, selective, full).
+
+A step is what one training iteration does on one micro-batch: forward with the LM loss
+(mean over tokens), backward, ``torch.optim.AdamW`` step (fused on CUDA) on the model's
+parameters (bf16 on CUDA, fp32 on CPU; no fp32 master copy, unlike megatron's mixed-precision
+optimizer), and zeroing the gradients. Time: median over ``--repeats`` steps after ``--warmup``
+steps, with ``torch.cuda.synchronize`` around each step on CUDA. Memory: ``torch.cuda.max_memory_allocated``
+over warm-up and timed steps (weights, gradients, AdamW state and activations); "n/a" on CPU,
+where the process's peak RSS cannot be attributed to one row. The ratio column divides a row's
+step time by the Transformer's at the same recompute setting, measured in the same run; "mem vs
+none" and "time vs none" compare a recompute row with its ``none`` row.
+
+FLOPs of one step (``train_step_flops``; docs/performance.md), per micro-batch of b sequences
+of s tokens, L layers, h heads of d_k (keys, queries) and d_v (values):
+
+    matmul     6 * P * s * b          P = weights of every linear layer, the output layer's included
+                                      (tied: the embedding's), not the embedding lookup, norms,
+                                      convs or per-head scalars; 6 = 2 (mul-add) x 3 (fwd + 2 bwd)
+    attention  3 * s^2 * h * (d_k + d_v) * L * b * f
+                                      = 2 (mul-add) x 3 (fwd + 2 bwd) x s^2/2 (causal half) x h x
+                                      (d_k for QK^T + d_v for PV); f = fraction of query positions
+                                      that read attention (1 for the Transformer and the
+                                      attention-only stack, the drawn modes' for Oryx, 0 for
+                                      Mamba-2 / GDN)
+    scan       12 * s * h * d_k * d_v * L * b   for a linear mixer (every token: both memories
+                                      absorb every token) = 2 (state update k v^T and read q^T S)
+                                      x 2 (mul-add) x 3 (fwd + 2 bwd) x d_k x d_v per head and token
+
+MFU = FLOPs / step time / (``--peak-tflops`` * 1e12); the default peak is 989 TFLOP/s (H100 /
+H200 dense bf16) when the CUDA device's name says H100 or H200, otherwise MFU is "n/a" unless
+``--peak-tflops`` is given. Oryx attention counts only the query positions that read it; the layer computes
+whole 128-position query blocks that hold a reader, so a partly read block is credited less
+than it runs.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tqdm import tqdm
+
+from oryx_megatron.config import Mode
+from oryx_megatron.data.modes import RandomChunks
+from oryx_megatron.models.builder import FAMILY_MIXERS, ModelArgs, build_model, transformer_config
+from oryx_megatron.parallel import current_device, destroy_parallel, initialize_parallel
+from oryx_megatron.tools.params import load_model_args
+
+MODEL_SIZES = {"tiny": "tiny_{family}", "130m": "{family}_130m", "1_4b": "{family}_1_4b"}  # recipes/model/
+RECOMPUTE = {  # --recompute -> TransformerConfig fields
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),  # megatron's default modules: core_attn
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+H100_H200_BF16_TFLOPS = 989.0  # dense bf16 peak of one H100 / H200 SXM
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One model of the table: a recipe family, optionally with other mixers."""
+
+    name: str
+    family: str
+    mixers: Optional[str] = None  # replaces the family's mixers
+
+    @property
+    def reads_modes(self) -> bool:
+        """Multi-mixer: one row per --p-attention."""
+        return "+" in (self.mixers or FAMILY_MIXERS[self.family] or "")
+
+
+VARIANTS = (
+    Variant("transformer", "transformer"),  # the baseline: first, always measured
+    Variant("attn_only_oryx", "oryx_tg", mixers="attention"),
+    Variant("oryx_tm", "oryx_tm"),
+    Variant("oryx_tg", "oryx_tg"),
+    Variant("mamba2", "mamba2"),
+    Variant("gdn", "gdn"),
+)
+BASELINE = VARIANTS[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What the FLOPs of one training step depend on."""
+
+    matmul_params: int  # see matmul_params()
+    num_layers: int
+    heads: int
+    d_k: int
+    d_v: int
+    seq: int
+    micro_batch: int
+    attention_fraction: float  # of query positions that read attention
+    linear_scan: bool  # a linear mixer scans every token
+
+
+def matmul_flops(shape: StepShape) -> int:
+    return 6 * shape.matmul_params * shape.seq * shape.micro_batch
+
+
+def attention_flops(shape: StepShape) -> int:
+    per_sequence_layer = 3 * shape.seq**2 * shape.heads * (shape.d_k + shape.d_v)
+    return round(per_sequence_layer * shape.num_layers * shape.micro_batch * shape.attention_fraction)
+
+
+def scan_flops(shape: StepShape) -> int:
+    if not shape.linear_scan:
+        return 0
+    return 12 * shape.seq * shape.heads * shape.d_k * shape.d_v * shape.num_layers * shape.micro_batch
+
+
+def train_step_flops(shape: StepShape) -> int:
+    """Forward + backward FLOPs of one micro-batch (the module docstring has the formula)."""
+    return matmul_flops(shape) + attention_flops(shape) + scan_flops(shape)
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Weights that multiply every token: those of every linear layer, the output layer's
+    included (tied to the embedding, it has no weight of its own and uses the embedding's)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, torch.nn.Linear)):
+            weight = module.weight if module.weight is not None else model.shared_embedding_or_output_weight()
+            total += weight.numel()
+    return total
+
+
+def attention_fraction(config, modes: Optional[torch.Tensor]) -> float:
+    """Fraction of query positions that read attention."""
+    if not getattr(config, "has_attention", True):  # a TransformerConfig has attention
+        return 0.0
+    if modes is None:
+        return 1.0
+    return (modes == Mode.ATTENTION).float().mean().item()
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    """Everything that is the same for every row."""
+
+    size: str
+    shape_overrides: Dict[str, int]  # ModelArgs fields from --layers / --hidden / --heads
+    kernel_backend: Optional[str]
+    seq: int
+    micro_batch: int
+    chunk: int
+    warmup: int
+    repeats: int
+    device: torch.device
+    dtype: torch.dtype
+    peak_tflops: Optional[float]
+
+
+def recipe_args(bench: Bench, family: str) -> ModelArgs:
+    """The family's recipe at --model-size, with the explicit shape flags and --seq applied.
+
+    --hidden scales the MLP width with it, keeping each family's parameter-matched ratio;
+    --hidden or --heads sets d_k = d_v = hidden / heads."""
+    args = load_model_args([f"model={MODEL_SIZES[bench.size].format(family=family)}"])
+    fields = dict(bench.shape_overrides, max_sequence_length=max(args.max_sequence_length, bench.seq))
+    if "hidden_size" in fields or "num_attention_heads" in fields:
+        hidden = fields.get("hidden_size", args.hidden_size)
+        head_dim = hidden // fields.get("num_attention_heads", args.num_attention_heads)
+        fields.update(kv_channels=head_dim, value_head_dim=head_dim,
+                      ffn_hidden_size=args.ffn_hidden_size * hidden // args.hidden_size)
+    if bench.kernel_backend is not None:
+        fields["kernel_backend"] = bench.kernel_backend
+    return dataclasses.replace(args, **fields)
+
+
+def build(bench: Bench, variant: Variant, recompute: str):
+    """(model on the device in the run's dtype, its config)."""
+    args = recipe_args(bench, variant.family)
+    config = transformer_config(
+        args, params_dtype=bench.dtype, bf16=bench.dtype == torch.bfloat16,
+        gradient_accumulation_fusion=False,  # needs megatron DDP's main_grad; plain AdamW here
+        **RECOMPUTE[recompute],
+    )
+    if variant.mixers is not None:
+        config = dataclasses.replace(config, mixers=variant.mixers)
+    torch.manual_seed(0)
+    model = build_model(args, config).to(device=bench.device, dtype=bench.dtype)
+    return model, config
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_step_seconds(step: Callable[[], None], bench: Bench) -> float:
+    for _ in range(bench.warmup):
+        step()
+    times = []
+    for _ in range(bench.repeats):
+        synchronize(bench.device)
+        start = time.perf_counter()
+        step()
+        synchronize(bench.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recompute: str) -> dict:
+    """One row: build the model, time its training step, count its FLOPs."""
+    row = dict(model=variant.name, p_attention=p_attention, recompute=recompute)
+    try:
+        model, config = build(bench, variant, recompute)
+    except Exception as error:  # e.g. a recompute granularity the layer does not offer yet
+        return dict(row, status="unsupported", error=f"{type(error).__name__}: {error}")
+    modes = None
+    if p_attention is not None:
+        schedule = RandomChunks(chunk_size=bench.chunk, p_attention=p_attention)
+        modes = schedule.batch(bench.seq, range(bench.micro_batch), seed=0).to(bench.device)
+    shape = StepShape(
+        matmul_params=matmul_params(model), num_layers=config.num_layers,
+        heads=config.num_attention_heads, d_k=config.kv_channels,
+        d_v=getattr(config, "value_head_dim", None) or config.kv_channels, seq=bench.seq,
+        micro_batch=bench.micro_batch, attention_fraction=attention_fraction(config, modes),
+        linear_scan=getattr(config, "linear_mixer", None) is not None,
+    )
+    row.update(params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+               attention_read=shape.attention_fraction)
+    try:
+        seconds = median_step_seconds(training_step(model, modes, bench), bench)
+    except Exception as error:  # e.g. a CUDA kernel that refuses this GPU
+        status = "unsupported" if isinstance(error, NotImplementedError) else "failed"
+        return dict(row, status=status, error=f"{type(error).__name__}: {error}")
+    finally:
+        del model
+        gc.collect()
+        if bench.device.type == "cuda":
+            torch.cuda.empty_cache()
+    flops = train_step_flops(shape)
+    peak_memory = torch.cuda.max_memory_allocated(bench.device) / 2**30 if bench.device.type == "cuda" else None
+    tflops = flops / seconds / 1e12
+    return dict(
+        row, status="ok", step_ms=seconds * 1e3, tokens_per_s=bench.micro_batch * bench.seq / seconds,
+        tflops=tflops, mfu=None if bench.peak_tflops is None else tflops / bench.peak_tflops,
+        peak_memory_gib=peak_memory, flops=flops,
+    )
+
+
+def training_step(model, modes: Optional[torch.Tensor], bench: Bench) -> Callable[[], None]:
+    """Forward with the LM loss, backward, AdamW step, zero the gradients; on one fixed batch."""
+    ids = torch.randint(0, model.vocab_size, (bench.micro_batch, bench.seq + 1),
+                        generator=torch.Generator().manual_seed(0)).to(bench.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=bench.device.type == "cuda")
+    if bench.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(bench.device)
+
+    def step():
+        loss = model(ids[:, :-1], modes, labels=ids[:, 1:]).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def add_comparisons(rows: List[dict]) -> None:
+    """vs_transformer: step time / the Transformer's at the same recompute setting;
+    mem_vs_none, time_vs_none: a recompute row against its model's row without recompute."""
+    measured = {(r["model"], r["p_attention"], r["recompute"]): r for r in rows if r["status"] == "ok"}
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        baseline = measured.get((BASELINE.name, None, row["recompute"]))
+        row["vs_transformer"] = row["step_ms"] / baseline["step_ms"] if baseline else None
+        no_recompute = measured.get((row["model"], row["p_attention"], "none"))
+        if row["recompute"] == "none" or no_recompute is None:
+            continue
+        row["time_vs_none"] = row["step_ms"] / no_recompute["step_ms"] - 1
+        if row["peak_memory_gib"] is not None:
+            row["mem_vs_none"] = row["peak_memory_gib"] / no_recompute["peak_memory_gib"] - 1
+
+
+COLUMNS = (  # header, row key, format
+    ("model", "model", "{}"),
+    ("p_attn", "p_attention", "{:.2f}"),
+    ("attn read", "attention_read", "{:.2f}"),
+    ("recompute", "recompute", "{}"),
+    ("params M", "params_m", "{:.1f}"),
+    ("step ms", "step_ms", "{:.1f}"),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("TFLOP/s", "tflops", "{:.3g}"),
+    ("MFU", "mfu", "{:.1%}"),
+    ("peak GiB", "peak_memory_gib", "{:.2f}"),
+    ("vs transformer", "vs_transformer", "{:.2f}"),
+    ("mem vs none", "mem_vs_none", "{:+.0%}"),
+    ("time vs none", "time_vs_none", "{:+.0%}"),
+    ("status", "status", "{}"),
+)
+
+
+def format_table(rows: List[dict]) -> str:
+    """Aligned plain-text table; a missing value prints as "-" ("n/a" for MFU and memory),
+    and the errors of rows that did not run follow the table."""
+    cells = [[header for header, _, _ in COLUMNS]]
+    for row in rows:
+        cells.append([
+            fmt.format(row[key]) if row.get(key) is not None
+            else ("n/a" if key in ("mfu", "peak_memory_gib") and row["status"] == "ok" else "-")
+            for _, key, fmt in COLUMNS
+        ])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+             for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [f"{r['model']} p_attn={r['p_attention']} recompute={r['recompute']}: {r['status']}: {r['error']}"
+              for r in rows if r["status"] != "ok"]
+    return "\n".join(lines)
+
+
+def default_peak_tflops(device: torch.device) -> Optional[float]:
+    """989 on an H100/H200 (dense bf16), else unknown."""
+    if device.type == "cuda" and any(gpu in torch.cuda.get_device_name(device) for gpu in ("H100", "H200")):
+        return H100_H200_BF16_TFLOPS
+    return None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--model-size", default="tiny", choices=MODEL_SIZES, help="recipe scale (default tiny)")
+    parser.add_argument("--layers", type=int, help="num_layers instead of the recipe's")
+    parser.add_argument("--hidden", type=int, help="hidden_size instead of the recipe's (MLP width scales with it)")
+    parser.add_argument("--heads", type=int, help="num_attention_heads instead of the recipe's")
+    parser.add_argument("--kernel-backend", choices=("auto", "torch", "cuda"), help="instead of the recipe's")
+    parser.add_argument("--families", nargs="+", choices=[v.name for v in VARIANTS[1:]],
+                        default=[v.name for v in VARIANTS[1:]], help="models besides the Transformer (default all)")
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--p-attention", type=float, nargs="+", default=[0.5, 0.1],
+                        help="fractions of attention chunks for Oryx-TM / Oryx-TG (one row each)")
+    parser.add_argument("--chunk", type=int, default=128, help="tokens per mode chunk")
+    parser.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=["none"])
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, help="device peak for MFU (default 989 on H100/H200)")
+    parser.add_argument("--json", help="also write the rows and the set-up to this file")
+    return parser.parse_args(argv)
+
+
+def planned_rows(args: argparse.Namespace) -> List[tuple]:
+    """(variant, p_attention, recompute) of every row, the Transformer first."""
+    variants = [BASELINE] + [v for v in VARIANTS[1:] if v.name in args.families]
+    return [
+        (variant, p, recompute)
+        for variant in variants
+        for p in (args.p_attention if variant.reads_modes else [None])
+        for recompute in args.recompute
+    ]
+
+
+def main(argv=None) -> List[dict]:
+    args = parse_args(argv)
+    initialize_parallel()
+    try:
+        device = current_device()
+        overrides = {field: value for field, value in (("num_layers", args.layers), ("hidden_size", args.hidden),
+                                                       ("num_attention_heads", args.heads)) if value is not None}
+        bench = Bench(
+            size=args.model_size, shape_overrides=overrides, kernel_backend=args.kernel_backend, seq=args.seq,
+            micro_batch=args.micro_batch, chunk=args.chunk, warmup=args.warmup, repeats=args.repeats,
+            device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+            peak_tflops=args.peak_tflops or default_peak_tflops(device),
+        )
+        rows = [measure(bench, *plan) for plan in tqdm(planned_rows(args), desc="rows")]
+    finally:
+        destroy_parallel()
+    add_comparisons(rows)
+    setup = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        device=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                else f"CPU ({torch.get_num_threads()} threads)"),
+        dtype=str(bench.dtype).removeprefix("torch."), torch=torch.__version__, model_size=args.model_size,
+        shape_overrides=overrides, micro_batch=args.micro_batch, seq=args.seq, chunk=args.chunk,
+        warmup=args.warmup, repeats=args.repeats, peak_tflops=bench.peak_tflops,
+    )
+    print(f"{setup['device']}, {setup['dtype']}, {args.model_size} recipes, micro-batch {args.micro_batch} x "
+          f"{args.seq} tokens, median of {args.repeats} steps after {args.warmup} warm-up")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(setup=setup, rows=rows), f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
