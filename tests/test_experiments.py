@@ -1,29 +1,40 @@
 """oryx-experiment: every experiment of recipes/experiment/ end to end in its smoke configuration
-(tables and plots with the documented columns, runs shared between experiments), and its errors."""
+(tables and plots with the documented columns, runs shared between experiments), the learning-rate
+sweep (selection on the validation split only), and its errors."""
 
 import json
 import logging
 import re
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
+from oryx_megatron.data.synthetic import MQARLoader
+from oryx_megatron.eval.retrieval import build_task
+from oryx_megatron.eval.validation import validation_samples
 from oryx_megatron.tools import experiment
-from oryx_megatron.tools.experiment import load_experiment, main, markdown_table, overrides, pivot_table, summarize
+from oryx_megatron.tools.experiment import (choose_lr, load_experiment, main, markdown_table, overrides, pivot_table,
+                                            summarize, sweep_table)
 
+RETRIEVAL = ({"all_attention", "all_linear", "mixed"}, ["accuracy", "token_accuracy", "attention_fraction"],
+             "accuracy.png")
 EXPERIMENTS = {  # name: (row labels of one model, metrics, plot)
-    "e1_retrieval": ({"all_attention", "all_linear", "mixed"}, ["accuracy", "token_accuracy", "attention_fraction"],
-                     "accuracy.png"),
+    "e1_retrieval": RETRIEVAL,
     "e2_lm": ({"all_attention", "all_linear", "random_chunks", "linear_then_attention"}, ["loss", "attention_fraction"],
               "loss.png"),
     "e3_mode_switch": ({"attention_to_linear", "linear_to_attention"},
-                       ["tokens_to_converge", "loss_after_switch", "loss_target"], "mode_switch.png"),
+                       ["tokens_to_converge", "loss_after_switch", "loss_target", "mode_gap", "tolerance_over_gap"],
+                       "mode_switch.png"),
     "a1_shared_query": ({"all_attention", "all_linear", "random_chunks", "linear_then_attention"},
                         ["loss", "attention_fraction"], "loss.png"),
-    "a2_sequence_mixing": ({"all_attention", "all_linear", "mixed"}, ["accuracy", "token_accuracy", "attention_fraction"],
-                           "accuracy.png"),
+    "a2_sequence_mixing": RETRIEVAL,
+    "niah": RETRIEVAL,
 }
-ON_MQAR = ("e1_retrieval", "a2_sequence_mixing")  # the others train on a tokenized corpus
+ON_MQAR = ("e1_retrieval", "e3_mode_switch", "a2_sequence_mixing")  # the others train on a tokenized corpus
+REUSING = ("e3_mode_switch", "niah")  # evaluate runs of an earlier experiment (E1's, E2's)
 
 
 def byte_corpus(corpus):
@@ -35,12 +46,19 @@ def run_dirs(out: Path):
     return sorted(p.name for p in (out / "runs").iterdir())
 
 
+def runs_per_variant_and_model(exp) -> int:
+    """Sweep runs (each lr, each sweep seed) plus the seeds the sweep did not train."""
+    if not exp.lrs:
+        return len(exp.seeds)
+    return len(exp.lrs) * len(exp.sweep_seeds) + len(set(exp.seeds) - set(exp.sweep_seeds))
+
+
 @pytest.fixture(scope="module")
 def smoke_out(tmp_path_factory):
     return tmp_path_factory.mktemp("experiments")
 
 
-@pytest.mark.parametrize("name", list(EXPERIMENTS))  # in this order: E3 and A1 reuse E2's runs, A2 E1's
+@pytest.mark.parametrize("name", list(EXPERIMENTS))  # in this order: E3 and A2 reuse E1's runs, A1 and NIAH E2's
 def test_smoke_experiment_writes_tables_and_plots(corpus, smoke_out, name):
     exp = load_experiment(name, smoke=True)
     before = run_dirs(smoke_out) if (smoke_out / "runs").exists() else []
@@ -61,19 +79,27 @@ def test_smoke_experiment_writes_tables_and_plots(corpus, smoke_out, name):
     tables = [line for line in (out / "results.md").read_text().splitlines() if line.startswith("| variant")]
     row_labels = dict.fromkeys(row["label"] for row in results["summary"])  # in the order of the rows
     assert tables[0] == "| " + " | ".join(["variant", "model", *row_labels]) + " |"
-    assert tables[1] == "| " + " | ".join(["variant", "model", "row", "params", "seeds", *metrics]) + " |"
+    assert tables[1] == "| " + " | ".join(["variant", "model", "row", "params", "lr", "seeds", *metrics]) + " |"
     assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if exp.lrs:  # one sweep per (variant, model), its table in results.md; every seed tested at the chosen lr
+        assert [(s["variant"], s["model"]) for s in results["sweeps"]] == [(v, m) for v in exp.variants
+                                                                            for m in exp.models]
+        chosen = {(s["variant"], s["model"]): s["lr"] for s in results["sweeps"]}
+        assert all(r["lr"] == chosen[r["variant"], r["model"]] for r in results["rows"])
+        assert "## Learning rate: validation loss" in (out / "results.md").read_text()
+    if exp.match_params:  # matched parameter counts
+        params = {row["model"]: row["params"] for row in results["summary"]}
+        assert all(abs(n / params[exp.match_params] - 1) <= 0.02 for n in params.values()), params
 
     new = sorted(set(run_dirs(smoke_out)) - set(before))
-    if name == "e3_mode_switch":  # E2's Oryx runs, evaluated anew
+    if name in REUSING:  # an earlier experiment's runs, evaluated anew
         assert new == []
     elif name in ("a1_shared_query", "a2_sequence_mixing"):  # only the ablated variant trains
-        assert len(new) == len(exp.models) * len(exp.seeds)
-        results = json.loads((out / "results.json").read_text())
+        assert len(new) == len(exp.models) * runs_per_variant_and_model(exp)
         ablated = {r["run"] for r in results["rows"] if r["variant"] == list(exp.variants)[1]}
-        assert set(new) == ablated
+        assert ablated <= set(new)
     else:
-        assert len(new) == len(plan)
+        assert len(new) == len(exp.variants) * len(exp.models) * runs_per_variant_and_model(exp)
 
 
 def test_e1_mixed_mode_reads_under_ten_percent_attention():
@@ -85,9 +111,10 @@ def test_e1_mixed_mode_reads_under_ten_percent_attention():
 def test_a_finished_run_is_reused(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="oryx_megatron.experiment")
     args = ["e1_retrieval", "--smoke", "--seeds", "3", "--out", str(tmp_path), "train.train_iters=1"]
-    assert main(args) == 0
-    assert main(args) == 0
-    assert caplog.text.count("reusing") == len(load_experiment("e1_retrieval").models)
+    assert main(args) == 0  # seed 3 is the sweep's: its run at the chosen lr is reused
+    assert main(args) == 0  # every run reused
+    exp = load_experiment("e1_retrieval", smoke=True)
+    assert caplog.text.count("reusing") == len(exp.models) + len(exp.models) * (len(exp.lrs) + 1)
 
 
 def test_overrides_flatten_nested_config():
@@ -103,9 +130,87 @@ def test_summary_means_over_seeds_and_marks_missing_values():
     summary = summarize(rows, ["loss", "steps"])
     assert summary[0]["loss"] == 2.5 and summary[0]["loss_std"] == 0.5 and summary[0]["steps"] is None
     table = markdown_table(summary, ["loss", "steps"])
-    assert table.splitlines()[2] == "| base | m | linear_to_attention | 10 | 2 | 2.5000 ± 0.5000 | n/a (4, -) |"
+    assert table.splitlines()[2] == "| base | m | linear_to_attention | 10 | - | 2 | 2.5000 ± 0.5000 (2, 3) | n/a (4, -) |"
     assert pivot_table(summary, "loss").splitlines() == [
-        "| variant | model | linear_to_attention |", "|---|---|---|", "| base | m | 2.5000 ± 0.5000 |"]
+        "| variant | model | linear_to_attention |", "|---|---|---|", "| base | m | 2.5000 ± 0.5000 (2, 3) |"]
+
+
+def test_tables_give_mean_std_and_every_seed():
+    rows = [dict(variant="base", model="m", seed=s, params=10, lr=0.003, schedule="mixed", accuracy=a)
+            for s, a in [(1, 0.014), (2, 1.0), (3, 0.5)]]
+    summary = summarize(rows, ["accuracy"])
+    assert markdown_table(summary, ["accuracy"]).splitlines()[2] == (
+        "| base | m | mixed | 10 | 0.003 | 3 | 0.5047 ± 0.4025 (0.014, 1, 0.5) |")
+    sweeps = [dict(variant="base", model="m", lr=0.001, validation_loss={"0.001": [1.5, 1.7], "0.003": [1.9, 2.1]})]
+    assert sweep_table(sweeps).splitlines() == [
+        "| variant | model | lr 0.001 | lr 0.003 | chosen lr |", "|---|---|---|---|---|",
+        "| base | m | 1.6000 (1.5000, 1.7000) | 2.0000 (1.9000, 2.1000) | 0.001 |"]
+
+
+def test_choose_lr_takes_the_lowest_mean_validation_loss_ties_to_the_smaller_lr():
+    assert choose_lr({1e-3: [2.0, 2.2], 3e-3: [1.9, 2.1], 1e-2: [1.0, 9.0]}) == 3e-3
+    assert choose_lr({1e-2: [1.0], 3e-3: [1.0], 1e-3: [1.5]}) == 3e-3
+    assert choose_lr({1e-3: [3.0], 1e-2: [float("nan")], 3e-2: [float("inf")]}) == 1e-3  # diverged runs lose
+    with pytest.raises(ValueError, match="no learning rates"):
+        choose_lr({})
+
+
+VALIDATION = {1e-3: 2.0, 3e-3: 1.5}  # validation loss per lr of the fake runs
+
+
+def fake_runs(monkeypatch, test_accuracy):
+    """No training: runs know their lr, validation losses come from VALIDATION, test accuracy from
+    ``test_accuracy(lr)``. Returns the arguments choose_lr received."""
+    def train_and_load(model, seed, config, out):
+        lr = float([o for o in config if o.startswith("optimizer.lr=")][-1].split("=")[1])
+        return torch.nn.Linear(2, 2), SimpleNamespace(optimizer=SimpleNamespace(lr=lr)), f"{model}-s{seed}-{lr}"
+
+    def evaluate(exp, net, run, out):
+        return {"rows": [dict(schedule="mixed", accuracy=test_accuracy(run.optimizer.lr), token_accuracy=0.5,
+                              attention_fraction=0.1)]}
+
+    seen = []
+    monkeypatch.setattr(experiment, "train_and_load", train_and_load)
+    monkeypatch.setattr(experiment, "validation_loss", lambda net, run, *args: VALIDATION[run.optimizer.lr])
+    monkeypatch.setattr(experiment, "evaluate", evaluate)
+    monkeypatch.setattr(experiment, "choose_lr", lambda losses: seen.append(losses) or choose_lr(losses))
+    return seen
+
+
+@pytest.mark.parametrize("test_accuracy", [lambda lr: lr, lambda lr: -lr])
+def test_the_sweep_selects_on_validation_loss_only(tmp_path, monkeypatch, test_accuracy):
+    seen = fake_runs(monkeypatch, test_accuracy)
+    exp = load_experiment("e1_retrieval", smoke=True)
+    exp.match_params = None
+    results = experiment.run_experiment(exp, tmp_path, [])
+    assert seen == [{lr: [loss] for lr, loss in VALIDATION.items()}] * len(exp.models)  # validation numbers only
+    assert {s["lr"] for s in results["sweeps"]} == {3e-3} == {r["lr"] for r in results["rows"]}
+    assert {r["accuracy"] for r in results["rows"]} == {test_accuracy(3e-3)}
+
+
+def test_validation_and_test_sets_differ_from_training():
+    exp = load_experiment("e1_retrieval", smoke=True)
+    assert exp.validation.seed not in exp.seeds + exp.sweep_seeds and exp.validation.seed != exp.eval["seed"]
+    run = experiment.compose_run(exp.models[0], exp.seeds[0], experiment.run_overrides(exp))
+    d, n = run.data, 64
+    rows = lambda inputs: {tuple(row) for row in inputs}
+    validation = rows(validation_samples(run, exp.validation.seed, n)["inputs"])
+    test = rows(build_task("mqar", run, n, d.seq_length, exp.eval["seed"], "random", d.mqar_num_pairs,
+                           d.mqar_num_queries, 1, 1, 1)[0]["inputs"])
+    loaders = [MQARLoader(seq_len=d.seq_length, micro_batch_size=1, vocab_size=run.model.vocab_size,
+                          num_pairs=d.mqar_num_pairs, filler_id=d.mqar_filler_id, seed=seed)
+               for seed in exp.seeds + exp.sweep_seeds]
+    training = rows([loader.sample(i)["inputs"][0] for loader in loaders for i in range(n)])
+    assert len(validation) == len(test) == n
+    assert not validation & test and not validation & training and not test & training
+
+
+def test_mode_gap_states_the_tolerance_against_the_difference_between_modes():
+    result = {"tolerance": 0.02, "rows": [dict(switch="attention_to_linear", loss_target=3.5),
+                                          dict(switch="linear_to_attention", loss_target=3.0)]}
+    rows = experiment.with_mode_gap(result)["rows"]
+    assert [r["mode_gap"] for r in rows] == [0.5, 0.5]
+    assert [r["tolerance_over_gap"] for r in rows] == pytest.approx([0.14, 0.12])
 
 
 @pytest.mark.parametrize(
@@ -120,6 +225,24 @@ def test_bad_arguments_are_named(capsys, argv, message):
         main(argv)
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+SWEEP = "name: s\nclaim: c\nmodels: [tiny_gdn]\nseeds: [1, 2, 3]\nmetrics: [accuracy]\neval: {task: mqar, seed: 0}\n"
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("groups: {data: mqar}\nlrs: [0.001]\nvalidation: {seed: 2}\n",
+     r"validation.seed=2 must differ from the training seeds \[1, 2, 3\] and the test's eval.seed=0"),
+    ("groups: {data: mqar}\nlrs: [0.001]\nvalidation: {seed: 0}\n", r"validation.seed=0 must differ"),
+    ("groups: {data: stdlib}\nlrs: [0.001]\n", r"lrs needs groups.data=mqar .*got 'stdlib'"),
+    ("match_params: tiny_oryx_tg\n", r"match_params='tiny_oryx_tg' is not one of models \['tiny_gdn'\]"),
+    ("smoke: {lr: [1]}\n", r"smoke.lr is not one of"),
+])
+def test_bad_sweep_settings_are_named(tmp_path, monkeypatch, extra, message):
+    (tmp_path / "s.yaml").write_text(SWEEP + extra)
+    monkeypatch.setattr(experiment, "EXPERIMENTS_DIR", tmp_path)
+    with pytest.raises(ValueError, match=r"s.yaml: " + message):
+        load_experiment("s", smoke="smoke" in extra)
 
 
 def test_bad_experiment_file_names_the_field(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from oryx_megatron.tools.match_width import matched_ffn, parameter_count, with_ffn
 from oryx_megatron.tools.params import load_model_args, parameter_report
 
 SCALES = ["130m", "370m", "760m", "1_4b"]
@@ -51,3 +52,72 @@ def test_cli_prints_shared_fraction_without_allocating_weights():
 def test_unknown_recipe_key_is_named():
     with pytest.raises(Exception, match="hidden_sise"):
         load_model_args(["model=tiny_oryx_tg", "+model.hidden_sise=3"])
+
+
+# A one-layer Oryx-TG small enough to count by hand: hidden H = 8, 2 heads of d_k = d_v = 4
+# (inner width 8), conv width 4, SwiGLU 16, tied embedding of 128 ids.
+HAND = ["model.num_layers=1", "model.hidden_size=8", "model.num_attention_heads=2", "model.kv_channels=4",
+        "model.ffn_hidden_size=16", "model.vocab_size=128"]
+
+
+def test_tied_fractions_of_the_whole_model_and_of_the_mixer_by_hand():
+    r = parameter_report(load_model_args(["model=tiny_oryx_tg", *HAND]))
+    h, inner, heads, conv, ffn = 8, 8, 2, 4, 16
+    shared = 3 * inner * h + 2 * inner * conv + inner + inner * h  # W_K W_V W_G, conv_k conv_v, out norm, W_O: 328
+    attention = inner * h  # W_QA: 64
+    linear = inner * h + inner * conv + 2 * heads * h + 2 * heads  # W_QL, conv_q, W_b W_a, A_log dt_bias: 132
+    rest = 128 * h + 2 * h + 3 * h * ffn + h  # embedding, input and final norm, MLP and its norm: 1432
+    assert (r["counts"]["mixer_shared"], r["counts"]["mixer_attention"], r["counts"]["mixer_linear"]) == (
+        shared, attention, linear)
+    assert r["total"] == rest + shared + attention + linear == 1956
+    assert r["mixer_tied_fraction"] == pytest.approx({"attention": 328 / 392, "linear": 328 / 460})
+    assert r["mixer_shared_fraction"] == pytest.approx(328 / 460)
+    assert r["tied_fraction"] == pytest.approx({"attention": 1760 / 1824, "linear": 1760 / 1892})
+    assert r["shared_fraction"] == pytest.approx(1760 / 1892)
+
+
+def test_a_single_mixer_model_ties_its_whole_mixer():
+    r = parameter_report(load_model_args(["model=tiny_transformer", *HAND]))
+    assert r["mixer_tied_fraction"] == {"attention": 1.0, "linear": 1.0} and r["mixer_shared_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("scale", ["130m", "1_4b"])
+def test_the_mixer_alone_ties_about_80_percent(scale):
+    """The >= 90% holds for the whole model only (tools/params.py says so)."""
+    assert 0.78 < report(f"oryx_tg_{scale}")["mixer_shared_fraction"] < 0.82
+
+
+def test_cli_labels_both_fractions():
+    script = Path(sys.executable).with_name("oryx-params")
+    out = subprocess.run([str(script), "model=tiny_oryx_tg", *HAND], capture_output=True, text=True, check=True).stdout
+    assert "# whole model: parameters both modes use / all parameters the mode uses" in out
+    assert "# mixer alone: shared mixer parameters / mixer parameters the mode uses" in out
+    for line in ("tied_fraction[linear]=0.9302", "shared_fraction=0.9302", "mixer_tied_fraction[attention]=0.8367",
+                 "mixer_tied_fraction[linear]=0.7130", "mixer_shared_fraction=0.7130"):
+        assert re.search(f"^{re.escape(line)}$", out, re.M), line
+
+
+E1_SHAPE = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.kv_channels=16",
+            "model.ffn_hidden_size=128", "model.vocab_size=64"]
+
+
+@pytest.mark.parametrize("family", ["transformer", "gdn", "mamba2"])
+def test_matched_mlp_width_brings_the_count_within_2_percent(family):
+    reference = load_model_args(["model=tiny_oryx_tg", *E1_SHAPE])
+    other = load_model_args([f"model=tiny_{family}", *E1_SHAPE])
+    assert parameter_count(other) / parameter_count(reference) < 0.98  # unmatched: more than 2% apart
+    ffn = matched_ffn(reference, other)
+    matched = with_ffn(other, ffn)
+    assert ffn % 8 == 0
+    assert abs(parameter_count(matched) / parameter_count(reference) - 1) <= 0.02
+    shape = lambda a: (a.num_layers, a.hidden_size, a.num_attention_heads, a.kv_channels)
+    assert shape(matched) == shape(reference)  # equal depth and width: only the MLP differs
+
+
+def test_no_matching_width_is_named():
+    reference = load_model_args(["model=tiny_oryx_tg", *E1_SHAPE])
+    other = load_model_args(["model=tiny_transformer", *E1_SHAPE])
+    message = (r"no model.ffn_hidden_size in \[8, 64\] \(multiples of 8\) brings transformer within 2% of "
+               r"oryx_tg's 210,784 parameters: the nearest, 64, gives [0-9,]+ \(-\d+\.\d%\); change model.hidden_size")
+    with pytest.raises(ValueError, match=message):
+        matched_ffn(reference, other, max_ffn=64)

@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import Tuple
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from oryx_megatron.models.builder import ModelArgs, build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
@@ -34,11 +34,20 @@ def resolve_checkpoint(path: str) -> Path:
     return latest
 
 
+def migrate_run_config(cfg: DictConfig) -> DictConfig:
+    """A run config written before ``train.recompute_activations`` (full recomputation) became
+    ``train.recompute_granularity``, in today's keys."""
+    train = cfg.get("train") or {}
+    if "recompute_activations" in train:
+        train.recompute_granularity = "full" if train.pop("recompute_activations") else None
+    return cfg
+
+
 def load_model(path: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, TrainConfig]:
     """The model of a checkpoint at TP = PP = 1 in eval mode, and the run's config."""
     ckpt = resolve_checkpoint(path)
     schema = OmegaConf.structured(TrainConfig)
-    run: TrainConfig = OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(ckpt / RUN_CONFIG)))
+    run: TrainConfig = OmegaConf.to_object(OmegaConf.merge(schema, migrate_run_config(OmegaConf.load(ckpt / RUN_CONFIG))))
     initialize_parallel(seed=run.train.seed)
     args: ModelArgs = run.model
     model = build_model(args, transformer_config(args, params_dtype=dtype, perform_initialization=False))

@@ -3,6 +3,7 @@
     oryx-experiment e1_retrieval                      # the documented size (docs/results.md)
     oryx-experiment e2_lm --seeds 1 2 3 train.train_iters=600
     oryx-experiment a2_sequence_mixing --smoke        # seconds: the configuration `make test` runs
+    oryx-experiment e1_retrieval_8pairs               # each family at its lr of best validation loss
 
 An experiment lists model recipes, variants (extra oryx-train overrides), seeds, the
 oryx-train overrides every run shares and one evaluation (an oryx-eval task). Every run
@@ -11,6 +12,14 @@ reused while its config is unchanged: experiments that share runs (E3 evaluates 
 them once, and a rerun after a crash only trains what is missing. Results go to
 <out>/<experiment>/: results.json (every run's rows and the means over seeds), results.md
 (the table) and a PNG (bars of the first metric, or the mode-switch curves).
+
+Fair baselines: ``match_params`` names the model whose parameter count the others match
+(their ``ffn_hidden_size``, tools/match_width.py); ``lrs`` is a learning-rate grid swept per
+(variant, model): each lr trains ``sweep_seeds`` runs, ``choose_lr`` picks the lr of the
+lowest validation loss (eval/validation.py: MQAR samples of a seed of their own, not the
+test set's nor training's) and the experiment's seeds then train and are tested at that lr.
+The selection sees validation losses only: the test evaluation runs after it. Tables give
+mean ± std over seeds and every seed's value.
 """
 
 import argparse
@@ -34,9 +43,11 @@ from oryx_megatron import RECIPES_DIR
 from oryx_megatron.eval import mode_switch
 from oryx_megatron.eval.ppl import evaluate_ppl
 from oryx_megatron.eval.retrieval import evaluate_retrieval
+from oryx_megatron.eval.validation import validation_loss
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.training.checkpointing import latest_checkpoint
 from oryx_megatron.training.config import TrainConfig, load_train_config, train_iters
+from oryx_megatron.tools.match_width import matched_ffn
 
 logger = logging.getLogger("oryx_megatron.experiment")
 
@@ -45,8 +56,20 @@ EVALS = {  # task -> the function its `eval` arguments go to (after model, run[,
     "ppl": evaluate_ppl,
     "mode_switch": mode_switch.evaluate_mode_switch,
     "mqar": evaluate_retrieval,
+    "niah": evaluate_retrieval,
 }
 ROW_LABELS = ("schedule", "switch")  # the column that names a row of an eval result
+SMOKE_KEYS = ("train", "eval", "seeds", "lrs", "validation")  # what a smoke section may replace or extend
+MIN_LR_RATIO = 0.1  # a swept run's optimizer.min_lr is this times its lr
+
+
+@dataclass
+class Validation:
+    """The validation split of a learning-rate sweep (eval/validation.py)."""
+
+    seed: int = 1000  # must differ from every training seed and from the test's eval.seed
+    num_samples: int = 256
+    batch_size: int = 32
 
 
 @dataclass
@@ -62,7 +85,11 @@ class Experiment:
     groups: Dict[str, str] = field(default_factory=dict)  # oryx-train config-group choices, e.g. data: mqar
     train: Dict[str, Any] = field(default_factory=dict)  # oryx-train config (nested), shared by every run
     variants: Optional[Dict[str, Any]] = None  # name -> more oryx-train config; None: one variant, "base"
-    smoke: Dict[str, Any] = field(default_factory=dict)  # {train: ..., eval: ...} merged in by --smoke
+    match_params: Optional[str] = None  # a model of `models`: the others' ffn_hidden_size matched to its count
+    lrs: List[float] = field(default_factory=list)  # optimizer.lr grid swept per (variant, model); []: no sweep
+    sweep_seeds: Optional[List[int]] = None  # seeds of the sweep runs; None: the first of `seeds`
+    validation: Validation = field(default_factory=Validation)
+    smoke: Dict[str, Any] = field(default_factory=dict)  # SMOKE_KEYS: merged in (train, eval) or replaced by --smoke
 
 
 def load_experiment(name: str, smoke: bool = False, seeds: Optional[List[int]] = None) -> Experiment:
@@ -79,10 +106,10 @@ def load_experiment(name: str, smoke: bool = False, seeds: Optional[List[int]] =
         raise ValueError(f"recipes/experiment/{name}.yaml: {e.msg}") from None
     exp.variants = exp.variants or {"base": {}}
     if smoke:
-        exp.train = OmegaConf.to_container(OmegaConf.merge(exp.train, exp.smoke.get("train", {})))
-        exp.eval = {**exp.eval, **exp.smoke.get("eval", {})}
+        apply_smoke(exp, name)
     if seeds:
         exp.seeds = seeds
+    exp.sweep_seeds = exp.sweep_seeds or exp.seeds[:1]
     task = exp.eval.get("task")
     if task not in EVALS:
         raise ValueError(f"recipes/experiment/{name}.yaml: eval.task={task!r}; expected one of {sorted(EVALS)}")
@@ -90,7 +117,37 @@ def load_experiment(name: str, smoke: bool = False, seeds: Optional[List[int]] =
     unknown = set(eval_arguments(exp)) - allowed
     if unknown:
         raise ValueError(f"recipes/experiment/{name}.yaml: eval.{sorted(unknown)[0]} is not an argument of {task}")
+    check_fairness(exp, name)
     return exp
+
+
+def apply_smoke(exp: Experiment, name: str) -> None:
+    """Merge the smoke section: train and eval extend, seeds, lrs and validation replace."""
+    unknown = set(exp.smoke) - set(SMOKE_KEYS)
+    if unknown:
+        raise ValueError(f"recipes/experiment/{name}.yaml: smoke.{sorted(unknown)[0]} is not one of {SMOKE_KEYS}")
+    exp.train = OmegaConf.to_container(OmegaConf.merge(exp.train, exp.smoke.get("train", {})))
+    exp.eval = {**exp.eval, **exp.smoke.get("eval", {})}
+    exp.seeds = list(exp.smoke.get("seeds", exp.seeds))
+    exp.lrs = list(exp.smoke.get("lrs", exp.lrs))
+    exp.validation = dataclasses.replace(exp.validation, **exp.smoke.get("validation", {}))
+
+
+def check_fairness(exp: Experiment, name: str) -> None:
+    """match_params is one of the models; a sweep has MQAR data and a validation seed that is
+    neither a training seed nor the test's (eval.seed)."""
+    where = f"recipes/experiment/{name}.yaml"
+    if exp.match_params is not None and exp.match_params not in exp.models:
+        raise ValueError(f"{where}: match_params={exp.match_params!r} is not one of models {exp.models}")
+    if not exp.lrs:
+        return
+    if exp.groups.get("data") != "mqar":
+        raise ValueError(f"{where}: lrs needs groups.data=mqar (the validation split is generated MQAR), "
+                         f"got {exp.groups.get('data')!r}")
+    test_seed = exp.eval.get("seed", 0)
+    if exp.validation.seed in {*exp.seeds, *exp.sweep_seeds, test_seed}:
+        raise ValueError(f"{where}: validation.seed={exp.validation.seed} must differ from the training seeds "
+                         f"{sorted({*exp.seeds, *exp.sweep_seeds})} and the test's eval.seed={test_seed}")
 
 
 def eval_arguments(exp: Experiment) -> Dict[str, Any]:
@@ -153,35 +210,117 @@ def train_or_reuse(run: TrainConfig, run_dir: Path) -> Path:
     return latest_checkpoint(str(ckpt_dir))
 
 
+def train_and_load(model: str, seed: int, config: List[str], out: Path):
+    """(the trained model, its run config, its run name): trained unless an equal run exists."""
+    run = compose_run(model, seed, config)
+    name = f"{model}-s{seed}-{run_key(run)}"  # no variant: equal configs share one run
+    checkpoint = train_or_reuse(run, out / "runs" / name)
+    net, run = load_model(str(checkpoint))
+    return net, run, name
+
+
+def width_overrides(exp: Experiment, config: List[str]) -> Dict[str, List[str]]:
+    """Per model, the override that matches its parameter count to ``match_params``' ([] for
+    that model, and for every model when unset)."""
+    if exp.match_params is None:
+        return {model: [] for model in exp.models}
+    shape = {model: compose_run(model, exp.seeds[0], config).model for model in exp.models}
+    return {model: [] if model == exp.match_params else
+            [f"model.ffn_hidden_size={matched_ffn(shape[exp.match_params], shape[model])}"] for model in exp.models}
+
+
+def lr_overrides(lr: float) -> List[str]:
+    return [f"optimizer.lr={lr}", f"optimizer.min_lr={lr * MIN_LR_RATIO:.6g}"]
+
+
+def choose_lr(validation_losses: Dict[float, List[float]]) -> float:
+    """The learning rate of the lowest mean validation loss over seeds (a non-finite loss
+    loses); ties go to the smaller learning rate. Validation losses are all it sees."""
+    if not validation_losses:
+        raise ValueError("choose_lr: no learning rates to choose from")
+
+    def mean(lr: float) -> float:
+        value = float(np.mean(validation_losses[lr]))
+        return value if np.isfinite(value) else float("inf")
+
+    return min(sorted(validation_losses), key=mean)
+
+
+def sweep_lr(exp: Experiment, model: str, config: List[str], out: Path) -> Dict[float, List[float]]:
+    """Validation loss of ``model`` per learning rate of the grid, one per sweep seed."""
+    v = exp.validation
+    losses = {}
+    for lr in exp.lrs:
+        losses[lr] = []
+        for seed in exp.sweep_seeds:
+            net, run, name = train_and_load(model, seed, config + lr_overrides(lr), out)
+            losses[lr].append(validation_loss(net, run, v.seed, v.num_samples, v.batch_size))
+            logger.info("sweep %s lr=%g: validation loss %.4f", name, lr, losses[lr][-1])
+    return losses
+
+
 def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
-    """Train (or reuse) and evaluate every (variant, model, seed); write the results."""
+    """Per (variant, model): match its width, sweep its learning rate on the validation split
+    (if ``exp.lrs``), then train (or reuse) and test every seed; write the results."""
     exp_dir = out / exp.name
     exp_dir.mkdir(parents=True, exist_ok=True)
-    plan = [(variant, model, seed) for variant in exp.variants for model in exp.models for seed in exp.seeds]
-    rows, started = [], time.perf_counter()
-    for i, (variant, model, seed) in enumerate(plan, 1):
-        config = run_overrides(exp) + overrides(exp.variants[variant] or {}) + extra
-        run = compose_run(model, seed, config)
-        name = f"{model}-s{seed}-{run_key(run)}"  # no variant: equal configs share one run
-        logger.info("[%d/%d] %s", i, len(plan), name)
-        checkpoint = train_or_reuse(run, out / "runs" / name)
-        net, run = load_model(str(checkpoint))
-        eval_dir = exp_dir / "evals" / name
-        eval_dir.mkdir(parents=True, exist_ok=True)
-        result = evaluate(exp, net, run, eval_dir)
-        params = sum(p.numel() for p in net.parameters())
-        rows += [dict(variant=variant, model=model, seed=seed, run=name, params=params, **row) for row in result["rows"]]
+    rows, sweeps, started = [], [], time.perf_counter()
+    for variant in exp.variants:
+        base = run_overrides(exp) + overrides(exp.variants[variant] or {}) + extra
+        widths = width_overrides(exp, base)
+        for model in exp.models:
+            config = base + widths[model]
+            if exp.lrs:
+                losses = sweep_lr(exp, model, config, out)
+                lr = choose_lr(losses)
+                sweeps.append(dict(variant=variant, model=model, lr=lr, seeds=exp.sweep_seeds,
+                                   validation_loss={str(k): v for k, v in losses.items()}))
+                config = config + lr_overrides(lr)
+            for seed in exp.seeds:
+                net, run, name = train_and_load(model, seed, config, out)
+                logger.info("testing %s", name)
+                eval_dir = exp_dir / "evals" / name
+                eval_dir.mkdir(parents=True, exist_ok=True)
+                result = evaluate(exp, net, run, eval_dir)
+                params = sum(p.numel() for p in net.parameters())
+                rows += [dict(variant=variant, model=model, seed=seed, run=name, params=params,
+                              lr=run.optimizer.lr, **row) for row in result["rows"]]
     summary = summarize(rows, exp.metrics)
     results = dict(experiment=exp.name, claim=exp.claim, seeds=exp.seeds, train=run_overrides(exp) + extra,
                    variants={k: overrides(v or {}) for k, v in exp.variants.items()}, eval=exp.eval,
+                   match_params=exp.match_params, validation=dataclasses.asdict(exp.validation), sweeps=sweeps,
                    wall_time_s=round(time.perf_counter() - started, 1), summary=summary, rows=rows)
     (exp_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (exp_dir / "results.md").write_text(f"# {exp.name}\n\n{exp.claim}\n\n## {exp.metrics[0]}\n\n"
-                                        f"{pivot_table(summary, exp.metrics[0])}\n\n## All metrics\n\n"
-                                        f"{markdown_table(summary, exp.metrics)}\n")
+    (exp_dir / "results.md").write_text(results_markdown(exp, summary, sweeps))
     plot = plot_curves(exp, rows, exp_dir) if exp.eval["task"] == "mode_switch" else plot_bars(exp, summary, exp_dir)
     logger.info("wrote %s, results.md and %s (%.0f s)", exp_dir / "results.json", plot.name, results["wall_time_s"])
     return results
+
+
+def results_markdown(exp: Experiment, summary: List[dict], sweeps: List[dict]) -> str:
+    text = (f"# {exp.name}\n\n{exp.claim}\n\n## {exp.metrics[0]}\n\n{pivot_table(summary, exp.metrics[0])}\n\n"
+            f"## All metrics\n\n{markdown_table(summary, exp.metrics)}\n")
+    if sweeps:
+        text += (f"\n## Learning rate: validation loss (seed {exp.validation.seed}, {exp.validation.num_samples} "
+                 f"samples), sweep seeds {exp.sweep_seeds}\n\n{sweep_table(sweeps)}\n")
+    return text
+
+
+def sweep_table(sweeps: List[dict]) -> str:
+    """A row per (variant, model): validation loss per learning rate (mean, and each sweep seed's
+    in parentheses when more than one), and the chosen learning rate."""
+    lrs = list(dict.fromkeys(lr for s in sweeps for lr in s["validation_loss"]))
+    lines = ["| variant | model | " + " | ".join(f"lr {lr}" for lr in lrs) + " | chosen lr |",
+             "|" + "---|" * (len(lrs) + 3)]
+    for s in sweeps:
+        cells = [values_cell(s["validation_loss"][lr]) if lr in s["validation_loss"] else "" for lr in lrs]
+        lines.append("| " + " | ".join([s["variant"], s["model"], *cells, f"{s['lr']:g}"]) + " |")
+    return "\n".join(lines)
+
+
+def values_cell(values: List[float]) -> str:
+    mean = f"{float(np.mean(values)):.4f}"
+    return mean if len(values) == 1 else f"{mean} ({', '.join(f'{v:.4f}' for v in values)})"
 
 
 def evaluate(exp: Experiment, model, run: TrainConfig, out: Path) -> dict:
@@ -189,9 +328,23 @@ def evaluate(exp: Experiment, model, run: TrainConfig, out: Path) -> dict:
     task, kwargs = exp.eval["task"], eval_arguments(exp)
     if task == "mode_switch":
         kwargs["out"] = out
-    if task == "mqar":
+    if task in ("mqar", "niah"):
         kwargs["task"] = task
-    return EVALS[task](model, run, **kwargs)
+    result = EVALS[task](model, run, **kwargs)
+    return with_mode_gap(result) if task == "mode_switch" else result
+
+
+def with_mode_gap(result: dict) -> dict:
+    """Mode-switch rows plus ``mode_gap`` (nats after the switch between the single-mode
+    curves: |loss_target of one direction - the other's|) and ``tolerance_over_gap`` (the
+    convergence tolerance in nats, tolerance x loss_target, over that gap): a test with a
+    ratio >= 1 cannot tell the modes apart."""
+    targets = [row["loss_target"] for row in result["rows"]]
+    gap = abs(targets[0] - targets[1])
+    for row in result["rows"]:
+        row["mode_gap"] = gap
+        row["tolerance_over_gap"] = result["tolerance"] * row["loss_target"] / gap if gap else None
+    return result
 
 
 def row_label(row: dict) -> str:
@@ -206,7 +359,8 @@ def summarize(rows: List[dict], metrics: List[str]) -> List[dict]:
         groups.setdefault((row["variant"], row["model"], row_label(row)), []).append(row)
     summary = []
     for (variant, model, label), members in groups.items():
-        entry = dict(variant=variant, model=model, label=label, params=members[0]["params"], seeds=len(members))
+        entry = dict(variant=variant, model=model, label=label, params=members[0]["params"], lr=members[0].get("lr"),
+                     seeds=len(members))
         for metric in metrics:
             values = [m.get(metric) for m in members]
             missing = None in values
@@ -218,19 +372,23 @@ def summarize(rows: List[dict], metrics: List[str]) -> List[dict]:
 
 
 def cell(row: dict, metric: str) -> str:
-    """'mean ± std' of a summary row's metric; 'n/a (per-seed values)' where a seed has none."""
-    mean, std = row[metric], row[f"{metric}_std"]
+    """'mean ± std (every seed's value)' of a summary row's metric ('n/a' for the mean where a
+    seed has none, '-' for that seed)."""
+    mean, std, values = row[metric], row[f"{metric}_std"], row[f"{metric}_per_seed"]
+    per_seed = "(" + ", ".join("-" if v is None else f"{v:.4g}" for v in values) + ")"
     if mean is None:
-        return "n/a (" + ", ".join("-" if v is None else f"{v:.4g}" for v in row[f"{metric}_per_seed"]) + ")"
-    return f"{mean:.4f}" + (f" ± {std:.4f}" if row["seeds"] > 1 else "")
+        return f"n/a {per_seed}"
+    return f"{mean:.4f}" + (f" ± {std:.4f} {per_seed}" if row["seeds"] > 1 else "")
 
 
 def markdown_table(summary: List[dict], metrics: List[str]) -> str:
-    """The summary as a Markdown table: a row per (variant, model, row label), mean ± std over seeds."""
-    header = ["variant", "model", "row", "params", "seeds", *metrics]
+    """The summary as a Markdown table: a row per (variant, model, row label), mean ± std over
+    seeds and every seed's value."""
+    header = ["variant", "model", "row", "params", "lr", "seeds", *metrics]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary:
-        cells = [row["variant"], row["model"], row["label"], f"{row['params']:,}", str(row["seeds"])]
+        lr = "-" if row["lr"] is None else f"{row['lr']:g}"
+        cells = [row["variant"], row["model"], row["label"], f"{row['params']:,}", lr, str(row["seeds"])]
         lines.append("| " + " | ".join(cells + [cell(row, m) for m in metrics]) + " |")
     return "\n".join(lines)
 

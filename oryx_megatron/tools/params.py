@@ -3,9 +3,21 @@
     oryx-params model=oryx_tg_1_4b
 
 The model is built on the meta device (no weights are allocated), so the counts are
-those of the real modules. The tied fraction of a mode is (parameters that mode uses
-which the other mode also uses) / (all parameters that mode uses, embeddings
-included); ``shared_fraction`` is the smaller of the two (the paper claims >= 0.90).
+those of the real modules. Two tied fractions per mode (attention, linear):
+
+- whole model (``tied_fraction``): parameters that mode uses which the other mode also
+  uses / all parameters that mode uses, embeddings, MLPs and norms included;
+  ``shared_fraction`` is the smaller of the two;
+- mixer alone (``mixer_tied_fraction``): shared mixer parameters / mixer parameters that
+  mode uses (the MultiMixers only: projections, convs, norm and the linear mixer's own);
+  ``mixer_shared_fraction`` is the smaller of the two.
+
+Which one the paper's ">= 90% tied" means: the paper says only that parameters are shared
+between the mixers, and the design notes read it as "at least 90% of the parameters each
+mode uses are shared with the other mode", without saying whether MLPs and embeddings
+count. As far as the text allows, "the parameters each mode uses" is the whole model, the
+fraction tests/test_params.py holds to >= 0.90 (0.93-0.95 at the recipe scales). The mixer
+alone ties about 0.80 at every recipe scale: in that reading the claim does not hold here.
 """
 
 import sys
@@ -58,15 +70,26 @@ def tied_fractions(counts: Dict[str, int]) -> Dict[str, float]:
     }
 
 
-def parameter_report(args: ModelArgs) -> dict:
-    """Counts and tied fractions of a recipe's model, built on the meta device."""
+def mixer_tied_fractions(counts: Dict[str, int]) -> Dict[str, float]:
+    """Tied fraction per mode of the mixers alone: shared / (shared + that mode's own)."""
+    shared = counts["mixer_shared"]
+    return {mode: shared / (shared + counts.get(f"mixer_{mode}", 0)) for mode in ("attention", "linear")}
+
+
+def meta_model(args: ModelArgs):
+    """(the model of ``args`` built on the meta device: no weights allocated, its config)."""
     initialize_parallel()
     config = transformer_config(args, perform_initialization=False)
     with torch.device("meta"):
-        model = build_model(args, config)
+        return build_model(args, config), config
+
+
+def parameter_report(args: ModelArgs) -> dict:
+    """Counts and tied fractions of a recipe's model, built on the meta device."""
+    model, config = meta_model(args)
     counts = count_parameters(model)
     total = sum(p.numel() for p in model.parameters())
-    fractions = tied_fractions(counts)
+    fractions, mixer_fractions = tied_fractions(counts), mixer_tied_fractions(counts)
     specific = counts.get("mixer_attention", 0) + counts.get("mixer_linear", 0)
     return dict(
         config=config,
@@ -75,6 +98,8 @@ def parameter_report(args: ModelArgs) -> dict:
         tied_fraction=fractions,
         single_mixer_fraction=specific / total,
         shared_fraction=min(fractions.values()),
+        mixer_tied_fraction=mixer_fractions,
+        mixer_shared_fraction=min(mixer_fractions.values()),
     )
 
 
@@ -93,11 +118,15 @@ def main(argv=None) -> None:
             print(f"  {component:<16}{counts[component]:>15,}")
     for use in ("shared", "attention", "linear"):
         print(f"  mixer_{use:<10}{counts.get(f'mixer_{use}', 0):>15,}")
+    print("# whole model: parameters both modes use / all parameters the mode uses")
     for mode, fraction in report["tied_fraction"].items():
         print(f"tied_fraction[{mode}]={fraction:.4f}")
-    print(f"single_mixer_fraction={report['single_mixer_fraction']:.4f}")
     print(f"shared_fraction={report['shared_fraction']:.4f}")
-
+    print("# mixer alone: shared mixer parameters / mixer parameters the mode uses")
+    for mode, fraction in report["mixer_tied_fraction"].items():
+        print(f"mixer_tied_fraction[{mode}]={fraction:.4f}")
+    print(f"mixer_shared_fraction={report['mixer_shared_fraction']:.4f}")
+    print(f"single_mixer_fraction={report['single_mixer_fraction']:.4f}")
 
 if __name__ == "__main__":
     main()

@@ -31,8 +31,10 @@ def model_config(run: TrainConfig):
         bf16=t.bf16,
         calculate_per_token_loss=True,  # the loss is a mean over all tokens of the global batch
     )
-    if t.recompute_activations:
+    if t.recompute_granularity == "full":  # every layer's forward again in the backward
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif t.recompute_granularity == "selective":  # the mixing between the projections (MultiMixer)
+        fields.update(recompute_granularity="selective")
     return transformer_config(run.model, **fields)
 
 

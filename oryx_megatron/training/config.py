@@ -74,7 +74,7 @@ class TrainingConfig:
     eval_iters: int = 10
     eval_schedules: List[str] = field(default_factory=lambda: ["all_attention", "all_linear"])
     bf16: bool = False
-    recompute_activations: bool = False  # full recomputation of every layer in the backward
+    recompute_granularity: Optional[str] = None  # activation recomputation: "selective" (the mixers) | "full" (layers)
     max_skipped_steps: int = 5  # this many non-finite (skipped) optimizer steps in a row stop the run
     loss_spike_window: int = 50  # loss spikes: a loss above mean + threshold x std of this many previous steps
     loss_spike_threshold: float = 4.0  # ... is logged as a spike (train/loss_spikes); <= 0 disables the detector

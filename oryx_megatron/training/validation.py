@@ -18,9 +18,15 @@ from oryx_megatron.launch import distributed_env_from_slurm
 from oryx_megatron.training.config import ConfigError, TrainConfig
 
 
+RECOMPUTE_GRANULARITIES = (None, "selective", "full")
+
+
 def validate_run(run: TrainConfig, world_size: int = None) -> None:
     """Raise ConfigError on the first thing that would fail after the model is built."""
     _check_batches(run, _launch_world_size() if world_size is None else world_size)
+    if run.train.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ConfigError(f"config key 'train.recompute_granularity': {run.train.recompute_granularity!r} is not "
+                          f"one of {RECOMPUTE_GRANULARITIES}")
     if run.data.format == "shards":
         _check_shards(run)
     elif run.data.format == "indexed":

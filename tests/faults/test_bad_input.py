@@ -109,6 +109,24 @@ def test_global_batch_against_the_data_parallel_size_of_the_launch(corpus, tmp_p
         validate_run(run)
 
 
+def test_recompute_granularity_is_checked_and_old_run_configs_migrate(corpus, tmp_path):
+    from omegaconf import OmegaConf
+
+    from oryx_megatron.inference.checkpoint import migrate_run_config
+    from oryx_megatron.training.config import ConfigError
+    from oryx_megatron.training.validation import validate_run
+    from tests.test_train import run_config
+
+    run = run_config(corpus, tmp_path)
+    run.train.recompute_granularity = "layers"
+    with pytest.raises(ConfigError, match=r"^config key 'train.recompute_granularity': 'layers' is not one of "
+                                          r"\(None, 'selective', 'full'\)$"):
+        validate_run(run, world_size=1)
+    for old, new in ((True, "full"), (False, None)):  # run_config.yaml of a checkpoint written before the rename
+        cfg = migrate_run_config(OmegaConf.create({"train": {"recompute_activations": old, "seed": 3}}))
+        assert OmegaConf.to_container(cfg) == {"train": {"recompute_granularity": new, "seed": 3}}
+
+
 def test_train_missing_indexed_dataset(corpus, tmp_path):
     out, s = train(tmp_path, data=["data.format=indexed", "data.data_path=[/nonexistent/idx]", "data.eod_id=256"])
     assert_train_error(out, s, tmp_path, "oryx-train: error: config key 'data.data_path': /nonexistent/idx.bin: "
