@@ -47,12 +47,14 @@ def _version_tuple(version: str) -> Tuple[int, ...]:
 
 @dataclass(frozen=True)
 class KernelEnvironment:
-    """What kernel selection looks at: CUDA, the GPU's compute capability, installed versions and nvcc."""
+    """What kernel selection looks at: CUDA, the GPU's compute capability, installed versions, nvcc
+    and whether torch.compile runs (FlexAttention needs it)."""
 
     cuda: bool
     capability: Optional[Tuple[int, int]] = None
     versions: Tuple[Tuple[str, str], ...] = ()  # (distribution, version) of the installed ones
     nvcc: bool = False
+    compile: bool = True  # False under TORCHDYNAMO_DISABLE=1
 
     @classmethod
     def detect(cls) -> "KernelEnvironment":
@@ -60,7 +62,10 @@ class KernelEnvironment:
         if not torch.cuda.is_available():
             return cls(cuda=False)
         versions = tuple((dist, v) for dist, v in ((d, _installed_version(d)) for d in DISTRIBUTIONS) if v)
-        return cls(True, torch.cuda.get_device_capability(), versions, shutil.which("nvcc") is not None)
+        from torch._dynamo import config as dynamo_config
+
+        return cls(True, torch.cuda.get_device_capability(), versions, shutil.which("nvcc") is not None,
+                   compile=not dynamo_config.disable)
 
     def version(self, dist: str) -> Optional[str]:
         """The installed version of a distribution, or None. fla ships as fla-core from 0.6 on and
@@ -99,9 +104,17 @@ def _fla_hopper_backward(env: KernelEnvironment) -> Optional[str]:
             f"delta rule backward wrongly (fla issue 640): install Triton >= 3.7.1, or tilelang with nvcc on PATH")
 
 
+def _flex_without_compile(env: KernelEnvironment) -> Optional[str]:
+    """Uncompiled, FlexAttention runs its reference: the full score matrix, every block computed."""
+    if env.compile:
+        return None
+    return "torch.compile is disabled (TORCHDYNAMO_DISABLE=1), so FlexAttention would not skip any block: unset it"
+
+
 # op -> conditions under which its kernel refuses or mis-computes (each: env -> reason or None)
 KNOWN_ISSUES: Dict[str, Tuple[Callable[[KernelEnvironment], Optional[str]], ...]] = {
     "chunk_gated_delta_rule": (_fla_hopper_backward,),
+    "block_sparse_causal_attention": (_flex_without_compile,),
 }
 
 

@@ -166,3 +166,11 @@ def test_probe_rejects_a_kernel_that_computes_something_else_or_raises():
     assert "differs from the torch op" in selection.probe("ssd_chunk_scan", wrong_scan, ops.ssd_chunk_scan, "cpu")
     assert selection.probe("chunk_gated_delta_rule", refusing, ops.chunk_gated_delta_rule, "cpu") == (
         "its one-time check raised RuntimeError: Triton >= 3.4.0 on Hopper GPUs produces incorrect results")
+
+
+def test_flex_attention_needs_torch_compile():
+    """Under TORCHDYNAMO_DISABLE=1 FlexAttention would compute every block: the torch loop runs instead."""
+    env = dataclasses.replace(hopper(*GOOD), compile=False)
+    assert "TORCHDYNAMO_DISABLE=1" in selection.refusal("block_sparse_causal_attention", env)
+    assert selection.refusal("block_sparse_causal_attention", hopper(*GOOD)) is None
+    assert get_kernels("auto", env=env, probe=passing_probe).names["block_sparse_causal_attention"] == "torch"
