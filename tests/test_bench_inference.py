@@ -36,3 +36,11 @@ def test_cpu_toy_run_prints_every_schedule_row(tmp_path, capsys):
         assert (row["acceptance"] is None) == (not row["schedule"].startswith("speculative"))
         if row["schedule"] == "all_attention":
             assert row["vs_attention"] == 1.0
+
+
+def test_a_checkpoint_is_benchmarked_with_its_trained_weights(tiny_checkpoint, capsys):
+    bench = load_bench()
+    assert bench.main(["--device", "cpu", "--checkpoint", tiny_checkpoint, "--contexts", "16", "--batches", "1",
+                       "--new-tokens", "4", "--repeats", "1"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith(f"model oryx_tg from {tiny_checkpoint} (trained), float32")

@@ -1,7 +1,8 @@
-"""Generation speed of a recipe's model (random weights) per schedule, context length and batch.
+"""Generation speed of a recipe's model (random weights) or a checkpoint's per schedule, context
+length and batch.
 
-    .venv/bin/python tools/bench/bench_inference.py [--model tiny_oryx_tg] [--contexts 256 1024] \\
-        [--batches 1 4] [--new-tokens 16] [--speculative 4] [--json out.json]
+    .venv/bin/python tools/bench/bench_inference.py [--model tiny_oryx_tg | --checkpoint DIR] \\
+        [--contexts 256 1024] [--batches 1 4] [--new-tokens 16] [--speculative 4] [--json out.json]
 
 For every (context, batch): all_attention (the baseline), all_linear, "prefill=linear
 decode=attention", and self-speculative decoding with k = --speculative drafts (batch 1). Each
@@ -21,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from oryx_megatron.inference import generate, speculative_generate
+from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from oryx_megatron.tools.params import load_model_args
@@ -97,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=device_default)
     parser.add_argument("--model", help="a recipe under recipes/model "
                                         "(default: tiny_oryx_tg on CPU, oryx_tg_130m on CUDA)")
+    parser.add_argument("--checkpoint", help="a trained model (oryx-train checkpoint) instead of random weights: "
+                                             "speculative acceptance then means something")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float64"))
     parser.add_argument("--contexts", type=int, nargs="+")
     parser.add_argument("--batches", type=int, nargs="+")
@@ -113,7 +117,11 @@ def main(argv=None) -> int:
     contexts, batches, new_tokens = args.contexts or contexts, args.batches or batches, args.new_tokens or new_tokens
 
     torch.set_num_threads(args.threads)
-    model = build(model_name, max(contexts) + new_tokens, getattr(torch, dtype), args.device)
+    if args.checkpoint:
+        model, run = load_model(args.checkpoint, getattr(torch, dtype))
+        model, model_name = model.to(args.device), f"{run.model.family} from {args.checkpoint}"
+    else:
+        model = build(model_name, max(contexts) + new_tokens, getattr(torch, dtype), args.device)
     measure(model, "all_attention", 16, 1, 4, 0)  # warm-up
     todo = list(cases(contexts, batches, args.speculative, args.max_batch_tokens or max_tokens))
     rows, baseline = [], {}
@@ -124,7 +132,8 @@ def main(argv=None) -> int:
             baseline[context, batch] = row["decode_tok_per_s"]
         row["vs_attention"] = row["decode_tok_per_s"] / baseline[context, batch]
         rows.append(row)
-    print(f"model {model_name} (random weights), {dtype}, {args.device}, {new_tokens} new tokens, greedy, "
+    weights = "trained" if args.checkpoint else "random weights"
+    print(f"model {model_name} ({weights}), {dtype}, {args.device}, {new_tokens} new tokens, greedy, "
           f"fastest of {args.repeats}; vs_attention = decode tokens/s / all_attention's at the same context and batch")
     print(format_table(rows))
     if args.json:
