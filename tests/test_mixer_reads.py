@@ -178,4 +178,6 @@ def test_selective_recompute_same_gradients_less_saved(family):
     assert torch.equal(base[0], recomputed[0]) and torch.equal(base[1], recomputed[1])
     for name in base[2]:
         assert torch.equal(base[2][name], recomputed[2][name]), name
-    assert saved["selective"] < 0.5 * saved[None]
+    # the checkpointed mixing keeps its input alive outside the hooks: the projected streams
+    kept_streams = x.shape[0] * B * mixer.num_heads * sum(mixer.streams.values()) * x.element_size()
+    assert saved["selective"] + kept_streams < 0.5 * saved[None]
