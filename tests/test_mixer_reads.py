@@ -181,3 +181,22 @@ def test_selective_recompute_same_gradients_less_saved(family):
     # the checkpointed mixing keeps its input alive outside the hooks: the projected streams
     kept_streams = x.shape[0] * B * mixer.num_heads * sum(mixer.streams.values()) * x.element_size()
     assert saved["selective"] + kept_streams < 0.5 * saved[None]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_inputs_have_a_unit_stride_in_the_head_dim(family, monkeypatch):
+    """SDPA takes its flash kernels only when q, k, v have a unit last-dim stride; convolved keys
+    and values used to arrive channel-major and sent every Oryx layer to the math path."""
+    import torch.nn.functional as F
+
+    from oryx_megatron.ops import attention
+
+    strides, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        strides.extend(t.stride(-1) for t in (q, k, v))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    run_parallel(build_mixer(family), hidden_states(37), Mode.ATTENTION)
+    assert strides and set(strides) == {1}

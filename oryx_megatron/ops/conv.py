@@ -32,8 +32,9 @@ def causal_conv1d(
         x: [b, s, c]; weight: [c, w]; bias: [c] or None;
         initial_state: [b, c, w - 1] (the previous inputs) or None (zeros); activation: "silu" or None.
     Returns:
-        y [b, s, c] and final state [b, c, w - 1] (the last w - 1 inputs of concat(state, x)),
-        both in x's dtype; the sum runs in the promoted dtype of x and weight.
+        y [b, s, c] (contiguous: attention kernels need a unit stride in the head dim) and the final
+        state [b, c, w - 1] (the last w - 1 inputs of concat(state, x)), both in x's dtype; the
+        sum runs in the promoted dtype of x and weight.
     """
     b, s, c = x.shape
     w = weight.shape[1]
@@ -43,7 +44,8 @@ def causal_conv1d(
     xpad = torch.cat([initial_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [b, c, w - 1 + s]
     bias = None if bias is None else bias.to(dtype)
     y = F.conv1d(xpad.to(dtype), weight.to(dtype)[:, None], bias, groups=c)  # [b, c, s]
-    return _activate(y, activation).transpose(1, 2).to(x.dtype), xpad[:, :, s:].contiguous()
+    y = _activate(y, activation).transpose(1, 2).contiguous().to(x.dtype)
+    return y, xpad[:, :, s:].contiguous()
 
 
 def causal_conv1d_step(
