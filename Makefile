@@ -35,7 +35,7 @@ data/stdlib/manifest.json: | venv
 
 # The paper-claim experiments of docs/results.md (recipes/experiment/), in dependency order
 # (E3 evaluates E1's runs; NIAH and the ablations E2's). Outputs in runs/experiments/<name>/.
-# `experiments`: the sizes a 2-core CPU runs in ~1.5 h; `experiments-large`: the issue's E1
+# `experiments`: the sizes a 2-core CPU runs in ~2 h; `experiments-large`: the issue's E1
 # sizes (4 layers, 256 tokens; ~16 h on 2 CPU cores: a GPU's job).
 EXPERIMENTS := e1_retrieval_small e3_mode_switch_small e2_lm niah a1_shared_query a3_kv_gate
 EXPERIMENTS_LARGE := e1_retrieval e1_retrieval_8pairs e3_mode_switch a2_sequence_mixing
