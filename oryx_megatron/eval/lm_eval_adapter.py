@@ -27,6 +27,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from oryx_megatron.inference import SamplingParams, as_inference_schedule, generate
+from oryx_megatron.inference.forward import eval_mode
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -36,7 +37,6 @@ def pair_modes(schedule, context_len: int, continuation_len: int) -> np.ndarray:
     return as_inference_schedule(schedule).position_modes(context_len, context_len + continuation_len - 1)
 
 
-@torch.no_grad()
 def continuation_logprobs(model, sequences: Sequence[Tuple[Sequence[int], Sequence[int]]],
                           schedule) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """For each (context, continuation): (log-prob [len(continuation)] fp32 of each
@@ -57,12 +57,8 @@ def continuation_logprobs(model, sequences: Sequence[Tuple[Sequence[int], Sequen
         row = torch.from_numpy(pair_modes(schedule, len(context), len(continuation)))
         modes[i, : len(fed)] = row
         modes[i, len(fed):] = row[-1]
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         logits = model(tokens.to(device), modes.to(device))  # [b, s, padded vocab]
-    finally:
-        model.train(was_training)
     if getattr(model, "parallel_output", False):
         logits = gather_from_tensor_model_parallel_region(logits)
     logprobs = F.log_softmax(logits.float(), dim=-1)

@@ -128,5 +128,6 @@ def main(argv=None) -> None:
     print(f"mixer_shared_fraction={report['mixer_shared_fraction']:.4f}")
     print(f"single_mixer_fraction={report['single_mixer_fraction']:.4f}")
 
+
 if __name__ == "__main__":
     main()
