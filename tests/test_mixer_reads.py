@@ -200,3 +200,23 @@ def test_attention_inputs_have_a_unit_stride_in_the_head_dim(family, monkeypatch
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     run_parallel(build_mixer(family), hidden_states(37), Mode.ATTENTION)
     assert strides and set(strides) == {1}
+
+
+@pytest.mark.parametrize("granularity", [None, "selective"])
+def test_the_layers_of_a_forward_read_their_modes_with_one_host_sync(granularity, monkeypatch):
+    """Which modes are read (torch.unique, then a copy to the host) is derived once per modes tensor,
+    not once per layer, nor again when the backward recomputes a layer."""
+    layers = [build_mixer("oryx_tg", seed=i) for i in range(3)]
+    for layer in layers:
+        layer.config.recompute_granularity = granularity
+    x, modes = hidden_states(38).requires_grad_(), random_modes(39, chunk=4)
+    calls, unique = [], torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: calls.append(1) or unique(*a, **k))
+    h = x
+    for layer in layers:
+        h = h + run_parallel(layer, h, modes)
+    h.sum().backward()
+    assert len(calls) == 1
+    run_parallel(layers[0], x.detach(), modes.clone())  # another modes tensor: read again
+    assert len(calls) == 2
+

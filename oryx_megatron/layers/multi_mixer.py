@@ -42,8 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from oryx_megatron.config import Mode, OryxConfig
 from oryx_megatron.layers.head_split import HeadSplitModule
 from oryx_megatron.layers.linear_mixers import LINEAR_MIXER_CLASSES
-from oryx_megatron.layers.norms import gated_head_rms_norm, upcast
-from oryx_megatron.ops import apply_rotary, decode_attention, get_kernels, rotary_cos_sin
+from oryx_megatron.ops import apply_rotary, decode_attention, get_kernels, once_per_tensor, rotary_table, upcast
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +57,13 @@ class MultiMixerSubmodules:
 
 
 KV_BLOCK = 256  # KV cache positions allocated at a time
+
+
+@once_per_tensor
+def mode_reads(modes: Tensor) -> Tuple[FrozenSet[Mode], Tensor]:
+    """The modes some token of ``modes`` [b, s] reads (a host sync) and the attention readers [b, s]
+    bool: once per modes tensor, which every layer of a forward shares."""
+    return frozenset(Mode(int(m)) for m in torch.unique(modes).tolist()), modes == Mode.ATTENTION
 
 
 @dataclass
@@ -289,11 +295,12 @@ class MultiMixer(HeadSplitModule):
             reads = self._reads(modes)
         outputs = {}
         if self.has_attention:
-            q, k = self._rotate(x[self.attention_query][:, None], x["k"][:, None], cache.position.view(1))
             if cache.key is None:
                 self._refuse_attention_without_kv_cache(reads)
             else:
                 cache.reserve(cache.seqlen + 1)  # host-side; a graph runner reserves before replaying
+                q, k = self._rotate(x[self.attention_query][:, None], x["k"][:, None], cache.position.view(1),
+                                    cache.capacity)
                 cache.write_at_position(k, x["v"][:, None])
                 if Mode.ATTENTION in reads:
                     outputs[Mode.ATTENTION] = decode_attention(q, cache.key, cache.value, cache.position)
@@ -351,18 +358,21 @@ class MultiMixer(HeadSplitModule):
             x[name] = (upcast(x[name]) * gate(upcast(x[f"{name}_gate"]))).to(x[name].dtype)
 
     def _reads(self, modes: Modes) -> FrozenSet[Mode]:
-        """The modes some token reads: without a host sync for a Mode or a single mixer."""
+        """The modes some token reads: without a host sync for a Mode or a single mixer, with one per
+        forward (``mode_reads``) for a modes tensor."""
         if isinstance(modes, Mode):
             return frozenset((modes,))
         if modes is None or not self.config.is_multi_mixer:
             return frozenset((Mode.ATTENTION,) if self.has_attention else (Mode.LINEAR,))
-        return frozenset(Mode(int(m)) for m in torch.unique(modes).tolist())
+        return mode_reads(modes)[0]
 
-    def _rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> Tuple[Tensor, Tensor]:
-        """Rotary embedding of q, k [b, s, h, d_k] at ``positions`` [s] (a no-op without it)."""
+    def _rotate(self, q: Tensor, k: Tensor, positions: Union[slice, Tensor], length: int) -> Tuple[Tensor, Tensor]:
+        """Rotary embedding of q, k [b, s, h, d_k] at ``positions`` (a slice, or [s] on the device) of
+        a shared table of at least ``length`` positions (a no-op without rotary)."""
         if not self.config.attention_rotary:
             return q, k
-        cos, sin = rotary_cos_sin(positions, self.d_k, self.config.rotary_base, dtype=upcast(q).dtype)
+        cos, sin = rotary_table(length, self.d_k, self.config.rotary_base, q.device, upcast(q).dtype)
+        cos, sin = cos[positions], sin[positions]  # [s, d_k]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, cache: Optional[MixerCache], modes: Modes,
@@ -371,14 +381,15 @@ class MultiMixer(HeadSplitModule):
         read attention: [b, s, h, d_v], or None when no token reads it. The cache stores every
         token's key and value whatever its mode."""
         offset = cache.seqlen if cache is not None else 0
-        q, k = self._rotate(q, k, torch.arange(offset, offset + q.shape[1], device=q.device))
+        end = offset + q.shape[1]
+        q, k = self._rotate(q, k, slice(offset, end), end)
         if cache is not None:
             if cache.key is None:
                 return self._refuse_attention_without_kv_cache(reads)
             k, v = cache.append(k, v)
         if Mode.ATTENTION not in reads:
             return None
-        read = None if isinstance(modes, Mode) or modes is None else modes == Mode.ATTENTION  # [b, s]
+        read = None if isinstance(modes, Mode) or modes is None else mode_reads(modes)[1]  # [b, s]
         return self.core_attention(q, k, v, read)
 
     def _refuse_attention_without_kv_cache(self, reads: FrozenSet[Mode]) -> None:
@@ -400,8 +411,10 @@ class MultiMixer(HeadSplitModule):
         return torch.where(attention, outputs[Mode.ATTENTION], outputs[Mode.LINEAR])
 
     def _gated_norm(self, y: Tensor, gate: Tensor) -> Tensor:
-        """Shared per-head norm and output gate: [b, s, h, d_v]."""
-        return gated_head_rms_norm(y, gate, self.out_norm_weight, self.config.layernorm_epsilon)
+        """Shared per-head norm and output gate: [b, s, h, d_v]. Each head is normalised on its own,
+        which brings both mixers to one scale before the shared gate and W_O and keeps tensor
+        parallelism (heads split over ranks) exact."""
+        return self.kernels.gated_rms_norm(y, gate, self.out_norm_weight, self.config.layernorm_epsilon)
 
     def _output(self, y: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
         """Shared W_O: [b, s, h, d_v] -> [s, b, hidden]."""

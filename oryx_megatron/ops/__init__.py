@@ -23,7 +23,9 @@ from . import cuda, selection
 from .attention import block_sparse_causal_attention, causal_attention, decode_attention
 from .conv import causal_conv1d, causal_conv1d_step
 from .gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
-from .rotary import apply_rotary, rotary_cos_sin
+from .memo import once_per_tensor
+from .norm import gated_rms_norm, upcast
+from .rotary import apply_rotary, rotary_cos_sin, rotary_table
 from .ssd import ssd_chunk_scan, ssd_step
 
 BACKENDS = ("auto", "torch", "cuda")
@@ -42,6 +44,7 @@ class Kernels:
     ssd_step: Callable
     causal_attention: Callable
     block_sparse_causal_attention: Callable
+    gated_rms_norm: Callable
     names: Dict[str, str]
 
 
@@ -108,7 +111,11 @@ __all__ = [
     "ssd_step",
     "causal_attention",
     "block_sparse_causal_attention",
+    "gated_rms_norm",
     "decode_attention",
+    "once_per_tensor",
     "apply_rotary",
     "rotary_cos_sin",
+    "rotary_table",
+    "upcast",
 ]

@@ -1,6 +1,7 @@
 """CUDA kernels behind the signatures of the pure-torch ops: flash-linear-attention (gated delta
-rule), mamba-ssm (SSD), causal-conv1d (short conv), torch SDPA (attention; torch picks the
-flash backend on CUDA) and torch FlexAttention (attention over the query blocks that read it).
+rule), mamba-ssm (SSD, and the fused per-head gated RMSNorm), causal-conv1d (short conv), torch SDPA
+(attention; torch picks the flash backend on CUDA) and torch FlexAttention (attention over the
+query blocks that read it).
 
 The libraries are imported inside the functions, so this module imports anywhere; which kernels may
 run here is decided by ``selection``. Inputs a kernel does not take (CPU tensors, fp64; fp32 for fla's chunked kernel) run the torch op instead, so the
@@ -12,7 +13,8 @@ from typing import Tuple
 
 import torch
 
-from . import attention, conv, gated_delta_rule, ssd
+from . import attention, conv, gated_delta_rule, norm, ssd
+from .memo import once_per_tensor
 from .attention import causal_attention  # noqa: F401  (same SDPA call on every device)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -138,9 +140,11 @@ def block_sparse_causal_attention(q, k, v, read, block_size=128, scale=None):
     return o.transpose(1, 2)
 
 
+@once_per_tensor
 def read_block_mask(read, kv_len: int, block_size: int):
     """FlexAttention's BlockMask: query i (the last read.shape[1] of kv_len positions) sees keys up to
-    its own position where read[b, i], nothing elsewhere."""
+    its own position where read[b, i], nothing elsewhere. Built once per ``read`` tensor (the layers
+    of a forward share one)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, sq = read.shape
@@ -157,3 +161,16 @@ def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
+
+
+def gated_rms_norm(y, gate, weight, eps=1e-5):
+    """mamba-ssm's fused `rmsnorm_fn` (one Triton kernel forward, one backward) with a group per
+    head; shapes as `norm.gated_rms_norm`."""
+    if not _kernel_takes(y):
+        return norm.gated_rms_norm(y, gate, weight, eps)
+    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+
+    *lead, h, d = y.shape
+    o = rmsnorm_fn(y.reshape(-1, h * d), weight, None, z=gate.reshape(-1, h * d), eps=eps, group_size=d,
+                   norm_before_gate=True)  # [b * s, h * d]
+    return o.view(*lead, h, d)

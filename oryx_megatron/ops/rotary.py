@@ -1,5 +1,6 @@
 """Rotary position embedding, non-interleaved rotate-half convention (as Megatron / Llama)."""
 
+import functools
 from typing import Tuple
 
 import torch
@@ -19,6 +20,17 @@ def rotary_cos_sin(
     angles = positions.to(torch.float64)[..., None] * inv_freq  # [s, dim / 2]
     angles = torch.cat([angles, angles], dim=-1)  # [s, dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def rotary_table(
+    length: int, dim: int, base: float, device: torch.device, dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, dim] of positions 0 .. n - 1, n the power of two >= length: computed once per
+    (n, dim, base, device, dtype) and shared by every layer and call that index it."""
+    n = 1 << max(length - 1, 0).bit_length()
+    with torch.inference_mode(False), torch.no_grad():  # usable by autograd after an inference-mode first call
+        return rotary_cos_sin(torch.arange(n, device=device), dim, base, dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ IMPLEMENTATIONS: Dict[str, Tuple[str, Optional[str], Optional[str]]] = {
     "ssd_step": ("mamba_ssm", "mamba-ssm", "2.2.0"),
     "causal_attention": ("sdpa", None, None),
     "block_sparse_causal_attention": ("flex_attention", None, None),
+    "gated_rms_norm": ("mamba_ssm", "mamba-ssm", "2.2.0"),
 }
 FORWARD_ONLY = ("causal_conv1d_step", "gated_delta_rule_step", "ssd_step")  # decode kernels: no backward
 # distribution -> its top-level module (whose __version__ counts where a source tree has no metadata)
@@ -159,6 +160,7 @@ def example_inputs(op: str, device="cpu", dtype=torch.float32, seed: int = 0, *,
         "ssd_step": (v[:, 0], dt[:, 0], A, k[:, 0], q[:, 0], state, D),
         "causal_attention": (q, k, v),
         "block_sparse_causal_attention": (q, k, v, read, 32),
+        "gated_rms_norm": (v, rand(b, s, h, d), 1 + rand(h * d) * 0.1, 1e-5),
     }[op]
     return tuple(a.to(device=device, dtype=dtype if a.is_floating_point() else a.dtype) if torch.is_tensor(a) else a
                  for a in args)

@@ -68,7 +68,7 @@ PERF_SKIP = 2  # first steps left out of the throughput medians (compile, autotu
 ACT, GATE = torch.bfloat16, torch.float32  # activations bf16; gates and recurrent states fp32, as the layers pass them
 CONV_WIDTH = 4
 SEQUENCE_OPS = ("causal_conv1d", "chunk_gated_delta_rule", "ssd_chunk_scan", "causal_attention",
-                "block_sparse_causal_attention")  # with a backward
+                "block_sparse_causal_attention", "gated_rms_norm")  # with a backward
 SPARSE_BLOCK = 64  # query block of block_sparse_causal_attention; every other block reads
 OUTPUT_NAMES = {
     "causal_conv1d": ("y", "final_state"),
@@ -79,6 +79,7 @@ OUTPUT_NAMES = {
     "ssd_step": ("y", "new_state"),
     "causal_attention": ("o",),
     "block_sparse_causal_attention": ("o",),
+    "gated_rms_norm": ("o",),
 }
 VERSIONS = {  # report name -> (distributions, module)
     "torch": (("torch",), "torch"),
@@ -338,6 +339,8 @@ def kernel_cases() -> List[Tuple[str, str]]:
             cases.append((op, "causal"))
         elif op == "block_sparse_causal_attention":
             cases.append((op, f"every other block of {SPARSE_BLOCK} reads"))
+        elif op == "gated_rms_norm":
+            cases.append((op, "per head"))
         elif op in SEQUENCE_OPS:
             cases += [(op, "no initial state"), (op, "initial state")]
         else:
@@ -372,6 +375,9 @@ def kernel_inputs(op: str, shape: Tuple[int, int, int, int], with_state: bool,
                 "B": (rand(b, *seq, h, d), ACT), "C": (rand(b, *seq, h, d), ACT),  # [b, (s,) h, n]
                 "D": (rand(h), ACT)}  # [h], a parameter of the model
         state = (rand(b, h, d, d) / 4, GATE)  # [b, h, n, p]
+    elif op == "gated_rms_norm":
+        return {"y": (rand(b, s, h, d), ACT), "gate": (rand(b, s, h, d), ACT),  # [b, s, h, d_v]
+                "weight": (1 + rand(h * d) / 10, ACT)}  # [h * d_v], a parameter of the model
     else:  # causal_attention, block_sparse_causal_attention
         args = {name: (rand(b, s, h, d), ACT) for name in ("q", "k", "v")}  # [b, s, h, d]
         if op == "block_sparse_causal_attention":

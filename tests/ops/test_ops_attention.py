@@ -105,3 +105,13 @@ def test_flex_block_mask_of_the_cuda_kernel_fp64(sq, sk):
                            block_mask=cuda.read_block_mask(read, sk, 16)).transpose(1, 2)
     want = block_sparse_causal_attention(q, k, v, read, 16)
     assert ((o - want) * read[:, :, None, None]).abs().max() < 1e-12
+
+
+def test_the_block_mask_is_built_once_per_read_tensor():
+    """Every layer of a forward passes the same ``read``: one BlockMask serves them all."""
+    read = chunk_reads(48, 16, 0.5, seed=7)
+    mask = cuda.read_block_mask(read, 48, 16)
+    assert cuda.read_block_mask(read, 48, 16) is mask
+    assert cuda.read_block_mask(read, 64, 16) is not mask  # another key length
+    read[0] = ~read[0]
+    assert not torch.equal(cuda.read_block_mask(read, 48, 16).to_dense(), mask.to_dense())

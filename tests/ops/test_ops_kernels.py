@@ -51,7 +51,7 @@ def test_cuda_backend_without_cuda_raises_clearly():
 
 def test_kernels_is_frozen_and_complete():
     kernels = get_kernels("torch")
-    assert isinstance(kernels, Kernels) and len(ops.OPS) == 8
+    assert isinstance(kernels, Kernels) and len(ops.OPS) == 9
     with pytest.raises(dataclasses.FrozenInstanceError):
         kernels.ssd_step = None
 
@@ -132,7 +132,7 @@ def test_auto_falls_back_per_op_and_logs_why(caplog, monkeypatch):
     assert kernels.names == {"causal_conv1d": "causal_conv1d", "causal_conv1d_step": "causal_conv1d",
                              "chunk_gated_delta_rule": "torch", "gated_delta_rule_step": "fla",
                              "ssd_chunk_scan": "mamba_ssm", "ssd_step": "mamba_ssm", "causal_attention": "sdpa",
-                                 "block_sparse_causal_attention": "flex_attention"}
+                             "block_sparse_causal_attention": "flex_attention", "gated_rms_norm": "mamba_ssm"}
     assert kernels.chunk_gated_delta_rule is ops.chunk_gated_delta_rule and kernels.ssd_step is cuda.ssd_step
     assert "chunk_gated_delta_rule: the torch op runs instead of the CUDA kernel: Triton 3.6.0" in caplog.text
 

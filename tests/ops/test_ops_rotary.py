@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from oryx_megatron.ops import apply_rotary, rotary_cos_sin
+from oryx_megatron.ops import apply_rotary, rotary_cos_sin, rotary_table
 
 DIM = 8
 
@@ -48,3 +48,21 @@ def test_preserves_norm_and_depends_on_relative_position():
 def test_computes_in_input_dtype():
     cos, sin = rotary_cos_sin(torch.arange(4), DIM)
     assert apply_rotary(torch.randn(1, 4, 2, DIM, dtype=torch.bfloat16), cos, sin).dtype == torch.bfloat16
+
+
+def test_the_table_is_shared_and_covers_a_power_of_two_of_positions():
+    cos, sin = rotary_table(300, DIM, 10000.0, torch.device("cpu"), torch.float64)
+    assert cos.shape == (512, DIM)
+    assert rotary_table(300, DIM, 10000.0, torch.device("cpu"), torch.float64)[0] is cos  # computed once
+    want_cos, want_sin = rotary_cos_sin(torch.arange(512), DIM, dtype=torch.float64)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert rotary_table(1, DIM, 10000.0, torch.device("cpu"), torch.float64)[0].shape == (1, DIM)
+
+
+def test_a_table_first_built_in_inference_mode_serves_training():
+    with torch.inference_mode():
+        cos, sin = rotary_table(16, DIM, 500.0, torch.device("cpu"), torch.float32)
+    x = torch.randn(1, 16, 2, DIM, requires_grad=True)
+    apply_rotary(x, cos[:16], sin[:16]).square().sum().backward()  # an inference tensor would refuse
+    assert x.grad is not None and not cos.is_inference()
+

@@ -10,8 +10,7 @@ from torch import Tensor
 
 from oryx_megatron.config import OryxConfig
 from oryx_megatron.layers.head_split import HeadSplitModule
-from oryx_megatron.layers.norms import upcast
-from oryx_megatron.ops import Kernels
+from oryx_megatron.ops import Kernels, upcast
 
 
 class LinearMixer(HeadSplitModule, ABC):

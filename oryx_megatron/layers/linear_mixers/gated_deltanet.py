@@ -15,8 +15,7 @@ from torch import Tensor
 
 from oryx_megatron.config import OryxConfig
 from oryx_megatron.layers.linear_mixers.base import LinearMixer
-from oryx_megatron.layers.norms import upcast
-from oryx_megatron.ops import Kernels
+from oryx_megatron.ops import Kernels, upcast
 
 
 class GatedDeltaNetMixer(LinearMixer):

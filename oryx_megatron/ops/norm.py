@@ -1,0 +1,25 @@
+"""The per-head gated RMSNorm of a mixer's output (the reference of mamba-ssm's fused kernel)."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def upcast(x: Tensor) -> Tensor:
+    """x in fp32, or in its own dtype when that is wider (fp64 tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
+    """RMSNorm over each head's channels, times the weight, times the SiLU gate.
+
+    Args:
+        y, gate: [..., h, d]; weight: [h * d].
+    Returns:
+        [..., h, d] in y's dtype, computed in fp32 (or wider):
+        y / sqrt(mean_d(y^2) + eps) * weight * silu(gate).
+    """
+    y32 = upcast(y)
+    y32 = y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)
+    y32 = y32 * upcast(weight).view(y.shape[-2], y.shape[-1]) * F.silu(upcast(gate))
+    return y32.to(y.dtype)
