@@ -184,22 +184,24 @@ def test_selective_recompute_same_gradients_less_saved(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_attention_inputs_have_a_unit_stride_in_the_head_dim(family, monkeypatch):
-    """SDPA takes its flash kernels only when q, k, v have a unit last-dim stride; convolved keys
-    and values used to arrive channel-major and sent every Oryx layer to the math path."""
+def test_attention_inputs_have_a_unit_stride_in_the_head_dim_and_the_activation_dtype(family, monkeypatch):
+    """SDPA takes its flash kernels only for q, k, v of a unit last-dim stride in a half dtype;
+    convolved keys and values used to arrive channel-major and sent every Oryx layer to the math
+    path, and an fp32 rotation would do the same in bf16 training."""
     import torch.nn.functional as F
 
     from oryx_megatron.ops import attention
 
-    strides, sdpa = [], F.scaled_dot_product_attention
+    seen, sdpa = [], F.scaled_dot_product_attention
 
     def spy(q, k, v, **kwargs):
-        strides.extend(t.stride(-1) for t in (q, k, v))
+        seen.extend((t.stride(-1), t.dtype) for t in (q, k, v))
         return sdpa(q, k, v, **kwargs)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
-    run_parallel(build_mixer(family), hidden_states(37), Mode.ATTENTION)
-    assert strides and set(strides) == {1}
+    mixer = build_mixer(family, dtype=torch.bfloat16)
+    run_parallel(mixer, hidden_states(37).to(torch.bfloat16), Mode.ATTENTION)
+    assert seen and set(seen) == {(1, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("granularity", [None, "selective"])
