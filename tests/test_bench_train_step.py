@@ -46,6 +46,21 @@ def test_cpu_toy_run_prints_every_family_and_the_baseline_ratio(tmp_path):
     assert all(r["flops"] > 0 and (r["peak_memory_gib"] is None) == on_cpu for r in rows)
 
 
+def test_recomputation_rows_report_the_activations_they_save(tmp_path):
+    """act GiB is measured on every device: selective keeps less than none, full less than both."""
+    out = tmp_path / "rows.json"
+    command = [sys.executable, "tools/bench/bench_train_step.py", "--families", "oryx_tg", "--p-attention", "0.5",
+               "--seq", "128", "--chunk", "64", "--repeats", "1", "--recompute", "none", "selective", "full",
+               "--json", str(out)]
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="offline")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    act = {r["recompute"]: r["activation_gib"] for r in json.loads(out.read_text())["rows"] if r["model"] == "oryx_tg"}
+    assert 0 < act["full"] < act["selective"] < act["none"]
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["recompute"] != "none"]
+    assert all(-1 < r["act_vs_none"] < 0 for r in rows if r["model"] == "oryx_tg")
+
+
 def test_train_step_flops_by_hand():
     matmul = 6 * 1000 * 16 * 2  # 6 x P x s x b
     attention = 3 * 16 * 16 * 4 * (8 + 16) * 2 * 2  # 3 x s^2 x h x (d_k + d_v) x L x b

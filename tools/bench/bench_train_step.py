@@ -18,9 +18,12 @@ parameters (bf16 on CUDA, fp32 on CPU; no fp32 master copy, unlike megatron's mi
 optimizer), and zeroing the gradients. Time: median over ``--repeats`` steps after ``--warmup``
 steps, with ``torch.cuda.synchronize`` around each step on CUDA. Memory: ``torch.cuda.max_memory_allocated``
 over warm-up and timed steps (weights, gradients, AdamW state and activations); "n/a" on CPU,
-where the process's peak RSS cannot be attributed to one row. The ratio column divides a row's
-step time by the Transformer's at the same recompute setting, measured in the same run; "mem vs
-none" and "time vs none" compare a recompute row with its ``none`` row.
+where the process's peak RSS cannot be attributed to one row. Activations ("act GiB", every
+device): what one forward with the loss allocates and still holds when it ends, i.e. what autograd
+keeps for the backward and recomputation trades for time (CUDA: the allocator's count; CPU:
+torch.profiler's memory events). The ratio column divides a row's step time by the Transformer's
+at the same recompute setting, measured in the same run; "act vs none" and "time vs none"
+compare a recompute row's activations and step time with its ``none`` row's.
 
 FLOPs of one step (``train_step_flops``; docs/performance.md), per micro-batch of b sequences
 of s tokens, L layers, h heads of d_k (keys, queries) and d_v (values):
@@ -52,7 +55,7 @@ import gc
 import json
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -241,7 +244,9 @@ def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recomp
     row.update(params_m=sum(p.numel() for p in model.parameters()) / 1e6,
                attention_read=shape.attention_fraction)
     try:
-        seconds = median_step_seconds(training_step(model, modes, bench), bench)
+        step, forward = training_step(model, modes, bench)
+        seconds = median_step_seconds(step, bench)
+        activations = held_by_forward(forward, bench.device)
     except Exception as error:  # e.g. a CUDA kernel that refuses this GPU
         status = "unsupported" if isinstance(error, NotImplementedError) else "failed"
         return dict(row, status=status, error=f"{type(error).__name__}: {error}")
@@ -256,30 +261,48 @@ def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recomp
     return dict(
         row, status="ok", step_ms=seconds * 1e3, tokens_per_s=bench.micro_batch * bench.seq / seconds,
         tflops=tflops, mfu=None if bench.peak_tflops is None else tflops / bench.peak_tflops,
-        peak_memory_gib=peak_memory, flops=flops,
+        peak_memory_gib=peak_memory, activation_gib=activations / 2**30, flops=flops,
     )
 
 
-def training_step(model, modes: Optional[torch.Tensor], bench: Bench) -> Callable[[], None]:
-    """Forward with the LM loss, backward, AdamW step, zero the gradients; on one fixed batch."""
+def training_step(model, modes: Optional[torch.Tensor], bench: Bench) -> Tuple[Callable[[], None], Callable]:
+    """(step, forward) on one fixed batch: the step is forward with the LM loss, backward, AdamW
+    step and zeroing the gradients; forward returns the loss alone."""
     ids = torch.randint(0, model.vocab_size, (bench.micro_batch, bench.seq + 1),
                         generator=torch.Generator().manual_seed(0)).to(bench.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=bench.device.type == "cuda")
     if bench.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(bench.device)
 
+    def forward() -> torch.Tensor:
+        return model(ids[:, :-1], modes, labels=ids[:, 1:]).float().mean()
+
     def step():
-        loss = model(ids[:, :-1], modes, labels=ids[:, 1:]).float().mean()
-        loss.backward()
+        forward().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    return step, forward
+
+
+def held_by_forward(forward: Callable[[], torch.Tensor], device: torch.device) -> int:
+    """Bytes that ``forward`` allocates and still holds when it returns (the saved activations)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        loss = forward()
+        held = torch.cuda.memory_allocated(device) - before
+    else:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = forward()
+        held = sum(event.self_cpu_memory_usage for event in prof.key_averages())
+    del loss
+    return held
 
 
 def add_comparisons(rows: List[dict]) -> None:
     """vs_transformer: step time / the Transformer's at the same recompute setting;
-    mem_vs_none, time_vs_none: a recompute row against its model's row without recompute."""
+    act_vs_none, time_vs_none: a recompute row against its model's row without recompute."""
     measured = {(r["model"], r["p_attention"], r["recompute"]): r for r in rows if r["status"] == "ok"}
     for row in rows:
         if row["status"] != "ok":
@@ -290,8 +313,7 @@ def add_comparisons(rows: List[dict]) -> None:
         if row["recompute"] == "none" or no_recompute is None:
             continue
         row["time_vs_none"] = row["step_ms"] / no_recompute["step_ms"] - 1
-        if row["peak_memory_gib"] is not None:
-            row["mem_vs_none"] = row["peak_memory_gib"] / no_recompute["peak_memory_gib"] - 1
+        row["act_vs_none"] = row["activation_gib"] / no_recompute["activation_gib"] - 1
 
 
 COLUMNS = (  # header, row key, format
@@ -305,8 +327,9 @@ COLUMNS = (  # header, row key, format
     ("TFLOP/s", "tflops", "{:.3g}"),
     ("MFU", "mfu", "{:.1%}"),
     ("peak GiB", "peak_memory_gib", "{:.2f}"),
+    ("act GiB", "activation_gib", "{:.3g}"),
     ("vs transformer", "vs_transformer", "{:.2f}"),
-    ("mem vs none", "mem_vs_none", "{:+.0%}"),
+    ("act vs none", "act_vs_none", "{:+.0%}"),
     ("time vs none", "time_vs_none", "{:+.0%}"),
     ("status", "status", "{}"),
 )
