@@ -51,10 +51,13 @@ def test_recomputation_rows_report_the_activations_they_save(tmp_path):
     out = tmp_path / "rows.json"
     command = [sys.executable, "tools/bench/bench_train_step.py", "--families", "oryx_tg", "--p-attention", "0.5",
                "--seq", "128", "--chunk", "64", "--repeats", "1", "--recompute", "none", "selective", "full",
-               "--json", str(out)]
+               "--json", str(out), "--profile", str(tmp_path / "profile")]
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="offline")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    profiles = sorted(p.name for p in (tmp_path / "profile").iterdir())
+    assert profiles == sorted(f"{m}-{r}.txt" for m in ("transformer", "oryx_tg-p0.5") for r in ("none", "selective", "full"))
+    assert "aten::mm" in (tmp_path / "profile" / "oryx_tg-p0.5-selective.txt").read_text()
     act = {r["recompute"]: r["activation_gib"] for r in json.loads(out.read_text())["rows"] if r["model"] == "oryx_tg"}
     assert 0 < act["full"] < act["selective"] < act["none"]
     rows = [r for r in json.loads(out.read_text())["rows"] if r["recompute"] != "none"]

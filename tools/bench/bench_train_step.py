@@ -55,6 +55,7 @@ import gc
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -171,6 +172,7 @@ class Bench:
     device: torch.device
     dtype: torch.dtype
     peak_tflops: Optional[float]
+    profile_dir: Optional[Path] = None  # --profile: one profiled step per row
 
 
 def recipe_args(bench: Bench, family: str) -> ModelArgs:
@@ -247,6 +249,8 @@ def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recomp
         step, forward = training_step(model, modes, bench)
         seconds = median_step_seconds(step, bench)
         activations = held_by_forward(forward, bench.device)
+        if bench.profile_dir is not None:
+            write_profile(step, bench, row)
     except Exception as error:  # e.g. a CUDA kernel that refuses this GPU
         status = "unsupported" if isinstance(error, NotImplementedError) else "failed"
         return dict(row, status=status, error=f"{type(error).__name__}: {error}")
@@ -283,6 +287,22 @@ def training_step(model, modes: Optional[torch.Tensor], bench: Bench) -> Tuple[C
         optimizer.zero_grad(set_to_none=True)
 
     return step, forward
+
+
+def write_profile(step: Callable[[], None], bench: Bench, row: dict) -> Path:
+    """One step under torch.profiler: its ops by self time (device time on CUDA), the top 30, in
+    ``<profile dir>/<model>[-p<p_attention>]-<recompute>.txt``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if bench.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        step()
+        synchronize(bench.device)
+    sort = "self_cuda_time_total" if bench.device.type == "cuda" else "self_cpu_time_total"
+    p = "" if row["p_attention"] is None else f"-p{row['p_attention']}"
+    path = bench.profile_dir / f"{row['model']}{p}-{row['recompute']}.txt"
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
+    return path
 
 
 def held_by_forward(forward: Callable[[], torch.Tensor], device: torch.device) -> int:
@@ -381,6 +401,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, help="device peak for MFU (default 989 on H100/H200)")
     parser.add_argument("--json", help="also write the rows and the set-up to this file")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="also profile one step per row (torch.profiler): the top ops by self time in DIR/<row>.txt")
     return parser.parse_args(argv)
 
 
@@ -406,8 +428,10 @@ def main(argv=None) -> List[dict]:
             size=args.model_size, shape_overrides=overrides, kernel_backend=args.kernel_backend, seq=args.seq,
             micro_batch=args.micro_batch, chunk=args.chunk, warmup=args.warmup, repeats=args.repeats,
             device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-            peak_tflops=args.peak_tflops or default_peak_tflops(device),
+            peak_tflops=args.peak_tflops or default_peak_tflops(device), profile_dir=args.profile,
         )
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
         rows = [measure(bench, *plan) for plan in tqdm(planned_rows(args), desc="rows")]
     finally:
         destroy_parallel()
