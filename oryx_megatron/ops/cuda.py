@@ -15,9 +15,10 @@ import torch
 
 from . import attention, conv, gated_delta_rule, norm, ssd
 from .memo import once_per_tensor
-from .attention import causal_attention  # noqa: F401  (same SDPA call on every device)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+causal_attention = attention.causal_attention  # the same SDPA call on every device
 
 
 def _kernel_takes(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _KERNEL_DTYPES) -> bool:
