@@ -10,13 +10,15 @@ import sys
 import pytest
 import torch
 
-from oryx_megatron.eval.mode_switch import CSV_COLUMNS, tokens_to_converge
+import numpy as np
+
+from oryx_megatron.eval.mode_switch import CSV_COLUMNS, mode_gap, position_losses, tokens_to_converge
 from oryx_megatron.tools import evaluate, generate
 
 BIN = os.path.dirname(sys.executable)
 TASK_KEYS = {
     "ppl": {"schedule", "loss", "perplexity", "attention_fraction", "loss_attention", "loss_linear"},
-    "mode_switch": {"switch", "target", "loss_after_switch", "loss_target", "tokens_to_converge"},
+    "mode_switch": {"switch", "target", "loss_after_switch", "loss_target", "tokens_to_converge", "mode_gap"},
     "mqar": {"schedule", "accuracy", "token_accuracy", "attention_fraction"},
     "niah": {"schedule", "accuracy", "token_accuracy", "attention_fraction"},
 }
@@ -67,10 +69,26 @@ def test_tokens_to_converge_definition():
     target = torch.full((20,), 2.0).numpy()
     switched = target.copy()
     switched[10:14] = 3.0  # positions 10..13 far off, then equal
-    assert tokens_to_converge(switched, target, 10, 1, 0.05) == 4
-    assert tokens_to_converge(switched, target, 10, 2, 0.05) == 5  # the mean over (13, 14) is still off
-    assert tokens_to_converge(target, target, 10, 4, 0.05) == 0
-    assert tokens_to_converge(target + 1, target, 10, 4, 0.05) is None
+    assert tokens_to_converge(switched, target, 10, 1, 0.1) == 4  # tolerance in nats
+    assert tokens_to_converge(switched, target, 10, 2, 0.1) == 5  # the mean over (13, 14) is still off
+    assert tokens_to_converge(switched, target, 10, 1, 1.0) == 0
+    assert tokens_to_converge(target, target, 10, 4, 0.1) == 0
+    assert tokens_to_converge(target + 1, target, 10, 4, 0.1) is None
+
+
+def test_answers_only_scores_the_masked_positions_and_converges_over_them():
+    losses = torch.tensor([[5.0, 1.0, 7.0, 2.0], [9.0, 3.0, 8.0, 4.0]])
+    mask = torch.tensor([[0.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+    curve = position_losses(losses, mask)  # answers at 1 (both windows) and 3 (the first)
+    assert np.isnan(curve[[0, 2]]).all() and curve[1] == 2.0 and curve[3] == 2.0
+    assert position_losses(losses, None).tolist() == [7.0, 2.0, 7.5, 3.0]
+    target = np.array([np.nan, 0.1, np.nan, 0.1, np.nan, 0.1, np.nan])
+    switched = np.array([np.nan, 0.9, np.nan, 0.5, np.nan, 0.1, np.nan])
+    assert tokens_to_converge(switched, target, 1, 1, 0.2) == 3  # off at the answers 1 and 3, within at 5
+    switched[5] = 0.4  # off at the last answer: never within
+    assert tokens_to_converge(switched, target, 1, 1, 0.2) is None
+    curves = {"all_attention": target, "all_linear": np.array([np.nan, 2.1, np.nan, 2.1, np.nan, 2.1, np.nan])}
+    assert mode_gap(curves, 1) == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("task", ["mqar", "niah"])

@@ -38,7 +38,7 @@ def dataset_vocab(run: TrainConfig) -> Tuple[int, Optional[int]]:
 def heldout_batches(run: TrainConfig, num_batches: int, batch_size: int,
                     schedule: Optional[ModeSchedule] = None) -> List[Dict[str, Tensor]]:
     """The first ``num_batches`` batches of the held-out loader (the valid split of training eval):
-    tokens, labels and modes [batch_size, seq_length], the modes drawn by ``schedule`` (default:
+    tokens, labels, modes and loss_mask [batch_size, seq_length], the modes drawn by ``schedule`` (default:
     the run's) as the loader keys them, by global sample index and seed."""
     run = dataclasses.replace(
         run,
@@ -47,7 +47,7 @@ def heldout_batches(run: TrainConfig, num_batches: int, batch_size: int,
                                   eval_iters=num_batches),
     )
     with build_loader(run, split="valid", mode_schedule=schedule) as loader:
-        return [{key: batch[key] for key in ("tokens", "labels", "modes")}
+        return [{key: batch[key] for key in ("tokens", "labels", "modes", "loss_mask")}
                 for batch, _ in zip(loader, range(num_batches))]
 
 

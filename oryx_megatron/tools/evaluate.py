@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "(default seq_length // 8)")
     held_out.add_argument("--switch-at", type=int, help="mode_switch: switch position (default seq_length // 2)")
     held_out.add_argument("--smooth", type=int, default=16, help="mode_switch: trailing-mean width for convergence")
-    held_out.add_argument("--tolerance", type=float, default=0.05, help="mode_switch: relative convergence band")
+    held_out.add_argument("--tolerance", type=float, default=0.1,
+                          help="mode_switch: convergence band, a fraction of the gap between the modes")
+    held_out.add_argument("--answers-only", action="store_true",
+                          help="mode_switch: score only the positions of the loss mask (MQAR: the answers)")
     retrieval = parser.add_argument_group("mqar and niah")
     retrieval.add_argument("--num-samples", type=int, default=64)
     retrieval.add_argument("--seq-len", type=int, help="sample length (default the checkpoint's data.seq_length)")
@@ -71,7 +74,7 @@ def run_task(model, run, args: argparse.Namespace, out: Path) -> dict:
         return evaluate_ppl(model, run, args.num_batches, args.batch_size, args.attention_last)
     if args.task == "mode_switch":
         return evaluate_mode_switch(model, run, out, args.switch_at, args.num_batches, args.batch_size, args.smooth,
-                                    args.tolerance)
+                                    args.tolerance, args.answers_only)
     return evaluate_retrieval(model, run, args.task, args.num_samples, args.seq_len, args.batch_size, args.seed,
                               args.haystack, args.num_pairs, args.num_queries, args.num_needles, args.key_len,
                               args.value_len)
