@@ -29,8 +29,8 @@ from typing import Dict, Optional
 
 import numpy as np
 import torch
-from torch import Tensor
 from matplotlib.figure import Figure  # no pyplot: renders with Agg, no global backend
+from torch import Tensor
 
 from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import all_attention, all_linear, switch_at
