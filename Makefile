@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test demo experiments experiments-large venv clean
+.PHONY: test test-py312 test-kernels demo experiments experiments-large venv clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,29 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The same suite on the GPU machine's stack, on the CPU (README, "Tested combinations"): Python 3.12, torch 2.11
+# and the newest megatron-core of pyproject's range, in its own venv. torch 2.11 for Python 3.12 is a CUDA build
+# (2.6 GB of wheels with its nvidia-* dependencies): downloaded once into WHEELS312, outside the repo (pip's own
+# cache kept none of it here), and installed from there.
+PYTHON312 ?= $(firstword $(wildcard $(shell pyenv prefix 3.12 2>/dev/null)/bin/python3.12 \
+	$(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+PY312_VENV := .venv-py312
+PY312      := $(PY312_VENV)/bin/python
+TORCH312   ?= torch==2.11.0
+WHEELS312  ?= $(HOME)/.cache/oryx-megatron/wheels-py312
+
+$(PY312_VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "test-py312: no Python 3.12 (pyenv install 3.12, or make PYTHON312=/path/to/python3.12)" >&2; exit 1; }
+	test -x $(PY312) || $(PYTHON312) -m venv $(PY312_VENV)
+	$(PY312) -m pip install -q --upgrade pip
+	$(PY312) -m pip download -q -d $(WHEELS312) $(TORCH312)
+	$(PY312) -m pip install -q --no-index --find-links $(WHEELS312) $(TORCH312)
+	$(PY312) -m pip install -q -e '.[dev]'
+	touch $@
+
+test-py312: $(PY312_VENV)/.installed
+	$(PY312) -m pytest -q tests
 
 # The main job on the embedded default: tokenize the Python standard library, train the tiny
 # Oryx-TG for a few minutes on CPU, evaluate per-mode held-out loss, plot the loss curve.
@@ -49,5 +72,32 @@ experiments-large: venv
 gpu-check:
 	$(PY) -m oryx_megatron.tools.gpu_check $(ARGS)
 
+# fla's and mamba-ssm's real Triton kernels under Triton's interpreter on CPU, through ops/cuda.py,
+# against the torch ops (docs/gpu.md, "Kernels on CPU"). Run it before any change to oryx_megatron/ops/.
+# Its own venv: torch pinned by a constraints file, Triton 3.7.1 (torch 2.13's CUDA build pins it),
+# fla-core without its dependencies, mamba-ssm's Triton sources only (its sdist builds CUDA code).
+KVENV := .venv-kernels
+KPY   := $(KVENV)/bin/python
+KPIP  := $(KPY) -m pip
+MAMBA_SSM := mamba-ssm==2.3.2.post1
+
+$(KVENV)/.installed: pyproject.toml
+	test -x $(KPY) || $(PYTHON) -m venv $(KVENV)
+	echo '$(TORCH)' > $(KVENV)/constraints.txt
+	$(KPIP) install -q -c $(KVENV)/constraints.txt $(TORCH) einops numpy packaging triton==3.7.1 \
+		pytest==9.2.0 pytest-timeout==2.4.0
+	$(KPIP) install -q -c $(KVENV)/constraints.txt --no-deps fla-core==0.6.0 -e .
+	rm -rf $(KVENV)/mamba && mkdir -p $(KVENV)/mamba/site
+	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE $(KPIP) download -q --no-deps --no-build-isolation \
+		-d $(KVENV)/mamba $(MAMBA_SSM)  # the sdist's metadata step imports torch
+	tar xzf $(KVENV)/mamba/mamba_ssm-*.tar.gz -C $(KVENV)/mamba
+	mv $(KVENV)/mamba/mamba_ssm-*/mamba_ssm $(KVENV)/mamba/site/ && rm -rf $(KVENV)/mamba/mamba_ssm-*
+	echo '"""$(MAMBA_SSM) sources: its Triton ops; nothing imported here."""' > $(KVENV)/mamba/site/mamba_ssm/__init__.py
+	touch $@
+
+# TRITON_INTERPRET must be set before triton is imported: its own pytest process.
+test-kernels: $(KVENV)/.installed
+	TRITON_INTERPRET=1 PYTHONPATH=$(KVENV)/mamba/site $(KPY) -m pytest -q tests/kernels
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(KVENV) $(PY312_VENV) build *.egg-info

@@ -77,6 +77,12 @@ class OryxConfig(TransformerConfig):
     kernel_backend: str = "auto"
     """'auto' (CUDA kernels where present, env ORYX_KERNEL_BACKEND overrides), 'torch' or 'cuda'."""
 
+    router_hidden: Optional[int] = None
+    """Width of the chunk router's hidden layer (layers/router.py); None: no router. Multi-mixer only."""
+
+    router_chunk_size: int = 128
+    """Tokens per router decision (the training mode chunk by default; a schedule may choose another)."""
+
     transformer_impl: str = "local"
     """Layer-spec backend: 'local' (megatron tensor_parallel + SDPA) or 'transformer_engine'."""
 
@@ -102,6 +108,9 @@ class OryxConfig(TransformerConfig):
             )
         if self.kv_gate not in KV_GATES:
             raise ValueError(f"kv_gate={self.kv_gate!r}: expected one of {KV_GATES}")
+        if self.router_hidden is not None and (self.router_hidden < 1 or not self.is_multi_mixer):
+            raise ValueError(f"router_hidden={self.router_hidden}: a router is a positive width and chooses between "
+                             f"two mixers, got mixers={self.mixers!r}")
         if self.shared_query and not self.is_multi_mixer:
             raise ValueError(f"shared_query=True needs two mixers to share it, got mixers={self.mixers!r}")
         if self.attention_rotary and self.kv_channels % 2:

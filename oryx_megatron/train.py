@@ -49,6 +49,7 @@ from oryx_megatron.training.config import ConfigError, TrainConfig, load_train_c
 from oryx_megatron.training.validation import validate_run
 from oryx_megatron.training.metrics import MetricsLogger, flops_per_token, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
+from oryx_megatron.training.router import RouterTrainer
 
 logger = logging.getLogger("oryx_megatron.train")
 
@@ -98,6 +99,10 @@ def pretrain(run: TrainConfig, output_dir: str) -> int:
     p = run.parallel
     initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, run.train.seed,
                         p.virtual_pipeline_model_parallel_size, p.distributed_timeout_minutes)
+    if run.router.mode == "posthoc":  # the router of a trained model, the rest frozen (training/router.py)
+        with cuda_to_cpu(), RouterTrainer(run, output_dir) as trainer:
+            trainer.train()
+        return 0
     with cuda_to_cpu(), Trainer(run, output_dir) as trainer:  # cuda_to_cpu: megatron hard-codes CUDA (no-op with CUDA)
         trainer.resume()
         return trainer.train()
@@ -326,7 +331,7 @@ def get_batch(data_iterator, device: torch.device) -> Dict[str, torch.Tensor]:
 
 def _forward_step(data_iterator, model):
     batch = get_batch(data_iterator, current_device())
-    output = model(batch["tokens"], batch["modes"], labels=batch["labels"])
+    output = model(batch["tokens"], batch["modes"], labels=batch["labels"], document_ids=batch.get("document_ids"))
     return output, partial(_loss, batch["loss_mask"], batch["modes"])
 
 

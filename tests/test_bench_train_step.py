@@ -15,6 +15,7 @@ from tools.bench.bench_train_step import (
     attention_flops,
     main,
     matmul_params,
+    packed_documents,
     train_step_flops,
 )
 
@@ -96,3 +97,14 @@ def test_unknown_model_size_names_the_value(capsys):
     with pytest.raises(SystemExit):
         main(["--model-size", "7b"])
     assert "--model-size: invalid choice: '7b'" in capsys.readouterr().err
+
+
+def test_packed_documents_are_a_heavy_tailed_mix_around_an_eighth_of_the_sample():
+    docs = packed_documents(64, 2048, seed=0)
+    assert docs.shape == (64, 2048) and (docs[:, 0] == 0).all()
+    steps = docs[:, 1:] - docs[:, :-1]
+    assert ((steps == 0) | (steps == 1)).all()  # ids count documents up from 0
+    lengths = torch.cat([torch.bincount(row) for row in docs])[:-1].float()  # the last of each row is cut
+    whole = torch.cat([torch.bincount(row)[1:-1] for row in docs]).float()  # neither cut at the start nor the end
+    assert 180 < whole.median() < 360 and whole.max() > 4 * whole.median()  # median seq / 8 = 256, a long tail
+    assert lengths.min() >= 1 and packed_documents(64, 2048, seed=0).equal(docs)

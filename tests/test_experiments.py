@@ -254,6 +254,6 @@ def test_run_key_ignores_logging_and_follows_what_shapes_the_weights():
     key = experiment.run_key(experiment.compose_run("tiny_gdn", 1, base))
     same = ["train.log_interval=7", "train.eval_interval=null", "logging.wandb_mode=offline", "checkpoint.dir=/x"]
     assert experiment.run_key(experiment.compose_run("tiny_gdn", 1, base + same)) == key
-    for other in (["optimizer.lr=1e-4"], ["data.mqar_num_pairs=4"], ["model.num_layers=1"]):
+    for other in (["optimizer.lr=1e-4"], ["data.mqar_num_pairs=4"], ["model.num_layers=1"], ["data.reset_at_eod=true"]):
         assert experiment.run_key(experiment.compose_run("tiny_gdn", 1, base + other)) != key
     assert experiment.run_key(experiment.compose_run("tiny_gdn", 2, base)) != key

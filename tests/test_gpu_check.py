@@ -115,7 +115,7 @@ def test_a_kernel_that_cannot_run_is_skipped_not_failed(tmp_path, monkeypatch):
     setup = gpu_check.Setup(torch.device("cpu"), gpu_check.TOY, tmp_path, ())
     report = gpu_check.Report(tmp_path, gpu_check.make_header(setup, []))  # honestly labelled a dry run
     monkeypatch.setattr(gpu_check.Setup, "dry_run", property(lambda self: False))
-    monkeypatch.setattr(gpu_check.selection, "refusal", lambda op, env: f"{op}: injected refusal")
+    monkeypatch.setattr(gpu_check.selection, "refusal", lambda op, env, backward=True: f"{op}: injected refusal")
     with report.section("kernels", gpu_check.section_size("kernels", setup)):
         gpu_check.check_kernels(setup, report)
     kernel_rows = rows(report.data, "kernels")
@@ -124,3 +124,18 @@ def test_a_kernel_that_cannot_run_is_skipped_not_failed(tmp_path, monkeypatch):
         assert row["status"] == "skipped" and row["note"] == f"skipped: {row['op']}: injected refusal"
         assert "errors" not in row
     assert report.exit_code() == 0
+
+
+def test_a_backward_only_refusal_skips_the_backward_rows_only(tmp_path, monkeypatch):
+    """fla issue 640 refuses the gated delta rule's backward on Hopper: its forward rows still measure."""
+    setup = gpu_check.Setup(torch.device("cpu"), gpu_check.TOY, tmp_path, ())
+    report = gpu_check.Report(tmp_path, gpu_check.make_header(setup, []))
+    monkeypatch.setattr(gpu_check.Setup, "dry_run", property(lambda self: False))
+    monkeypatch.setattr(gpu_check.selection, "refusal", lambda op, env, backward=True: (
+        "injected backward refusal" if backward and op == "chunk_gated_delta_rule" else None))
+    with report.section("kernels", gpu_check.section_size("kernels", setup)):
+        gpu_check.check_kernels(setup, report)
+    gdn = [row for row in rows(report.data, "kernels") if row["op"] == "chunk_gated_delta_rule"]
+    assert [(row["case"].split(",")[0], row["status"]) for row in gdn] == [
+        ("fwd", "pass"), ("bwd", "skipped"), ("fwd", "pass"), ("bwd", "skipped")]
+    assert all(row["status"] == "pass" for row in rows(report.data, "kernels") if row["op"] != "chunk_gated_delta_rule")

@@ -33,7 +33,8 @@ def loss_and_grads(mixer, x, modes):
 
 def dense_attention(mixer, monkeypatch):
     """Make the mixer compute attention at every position (the computation before block sparsity)."""
-    monkeypatch.setattr(mixer.core_attention, "forward", lambda q, k, v, read=None: causal_attention(q, k, v))
+    monkeypatch.setattr(mixer.core_attention, "forward",
+                        lambda q, k, v, read=None, document_ids=None: causal_attention(q, k, v, document_ids=document_ids))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

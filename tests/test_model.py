@@ -38,6 +38,28 @@ def test_forward_backward_reaches_every_parameter(family):
         assert p.grad is not None and p.grad.abs().sum() > 0, f"no gradient reaches {name}"
 
 
+SSM_SCALARS = {"oryx_tg": ("A_log", "dt_bias"), "oryx_tm": ("A_log", "dt_bias", "D"), "gdn": ("A_log", "dt_bias"),
+               "mamba2": ("A_log", "dt_bias", "D"), "transformer": ()}
+
+
+@pytest.mark.parametrize("family", SSM_SCALARS)
+def test_bf16_models_keep_the_ssm_scalars_in_fp32(family):
+    """Under params_dtype=bf16 every weight is bf16 but A_log, dt_bias and D, which stay fp32 (their
+    init values exactly: no 8-bit rounding) through a forward and backward."""
+    model, args = tiny_model(family, dtype=torch.bfloat16)
+    reference, _ = tiny_model(family, dtype=torch.float32)
+    scalars = {n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in SSM_SCALARS[family]}
+    assert len(scalars) == args.num_layers * len(SSM_SCALARS[family])
+    fp32_weights = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if name in scalars else torch.bfloat16), name
+        if name in scalars:
+            assert torch.equal(p, fp32_weights[name]), name
+    tokens, labels, modes = batch(args)
+    model(tokens, modes, labels=labels).float().mean().backward()
+    assert all(model.get_parameter(n).grad.dtype == torch.float32 for n in scalars)
+
+
 @pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
 def test_model_decode_with_cache_equals_parallel_logits(family):
     model, args = tiny_model(family, dtype=torch.float64)
@@ -116,14 +138,14 @@ def test_transformer_sdpa_baseline_equals_megatron_masked_softmax(dtype, toleran
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from oryx_megatron.models.builder import TransformerBaseline, _gpt_layer_spec
+    from oryx_megatron.models.builder import TransformerBaseline, _gpt_block_spec
 
     args = tiny_args("transformer")
     config = transformer_config(args, params_dtype=dtype)
     torch.manual_seed(0)
     sdpa = build_model(args, config)
-    masked_spec = _gpt_layer_spec("local")
-    masked_spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+    masked_spec = _gpt_block_spec("local", config, vp_stage=None)
+    masked_spec.layer_specs[0].submodules.self_attention.submodules.core_attention = DotProductAttention  # every layer's
     masked = TransformerBaseline(config, masked_spec, vocab_size=padded_vocab_size(args),
                                  max_sequence_length=args.max_sequence_length,
                                  share_embeddings_and_output_weights=args.share_embeddings_and_output_weights)

@@ -89,6 +89,74 @@ def test_the_import_check_sees_upward_imports(tmp_path):
     ]
 
 
+# Where megatron-core's version may be read: the compatibility module (which detects features instead), and the
+# GPU check's header, which reports every package's installed version and decides nothing by it.
+VERSION_READERS = {"oryx_megatron/compat/megatron.py", "oryx_megatron/tools/gpu_check.py"}
+_VERSION_ATTRIBUTES = {"__version__", "__shortversion__", "package_info"}
+_DISTRIBUTION_NAMES = {"megatron-core", "megatron_core"}  # what a package-metadata look-up names
+
+
+def _dotted(node) -> str:
+    """'megatron.core.__version__' for that attribute chain; '' for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    return f"{_dotted(node.value)}.{node.attr}" if isinstance(node, ast.Attribute) and _dotted(node.value) else ""
+
+
+def megatron_version_reads(root: Path = ROOT):
+    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/, tools/
+    and data_prep/: its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an
+    import) or its distribution's name (``importlib.metadata.version("megatron-core")``)."""
+    found = []
+    for path in sorted(p for part in ("oryx_megatron", "tools", "data_prep") for p in (root / part).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in VERSION_READERS:
+            continue
+        tree = ast.parse(path.read_text(), rel)
+        megatron_names = {"megatron"}  # names bound to megatron modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                megatron_names |= {a.asname for a in node.names if a.asname and a.name.startswith("megatron")}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
+                megatron_names |= {a.asname or a.name for a in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                reads = node.attr in _VERSION_ATTRIBUTES and _dotted(node.value).split(".")[0] in megatron_names
+            elif isinstance(node, ast.Import):
+                reads = any(a.name.startswith("megatron") and a.name.endswith(".package_info") for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                reads = (node.module or "").startswith("megatron") and (
+                    node.module.endswith(".package_info") or any(a.name in _VERSION_ATTRIBUTES for a in node.names))
+            else:
+                reads = isinstance(node, ast.Constant) and str(node.value).lower() in _DISTRIBUTION_NAMES
+            if reads:
+                found.append((rel, node.lineno))
+    return [f"{rel}:{line} reads megatron-core's version" for rel, line in sorted(found)]
+
+
+def test_only_the_compat_module_reads_megatron_cores_version():
+    assert megatron_version_reads() == []
+
+
+def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
+    files = {
+        "oryx_megatron/models/probe.py": "import megatron.core\nv = megatron.core.__version__\n",
+        "oryx_megatron/training/probe.py": "from megatron.core import package_info\nimport megatron.core as mc\n"
+                                           "v = mc.__version__\n",
+        "tools/bench/probe.py": "import importlib.metadata\nv = importlib.metadata.version('Megatron-Core')\n",
+        "data_prep/probe.py": "from megatron.core.package_info import __version__\nimport megatron.core.package_info\n",
+        "oryx_megatron/ops/probe.py": '"""Runs on megatron-core."""\nimport megatron.core.tensor_parallel\nx = t.__version__\n',
+        "oryx_megatron/compat/megatron.py": "import megatron.core\nv = megatron.core.__version__\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert megatron_version_reads(tmp_path) == [f"{where} reads megatron-core's version" for where in (
+        "data_prep/probe.py:1", "data_prep/probe.py:2", "oryx_megatron/models/probe.py:2",
+        "oryx_megatron/training/probe.py:1", "oryx_megatron/training/probe.py:3",
+        "tools/bench/probe.py:2")]
+
+
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 

@@ -1,5 +1,6 @@
 """Tensor parallelism is exact: TP=2 (with and without sequence parallel) equals TP=1 on the
-same full weights, for outputs, input gradients and parameter gradients (2 gloo processes, fp64).
+same full weights, for outputs, input gradients and parameter gradients (2 gloo processes, fp64);
+the sequence-parallel cases read packed documents (``document_ids``, full sequence on every rank).
 
 The full weights travel through megatron's distributed checkpoint: saved at TP=1, loaded
 at TP=2. The TP=2 parameter gradients travel back the same way (saved in place of the
@@ -57,21 +58,29 @@ def inputs(seed=0):
     return x, dy, modes, ids
 
 
-def mixer_step(module, sequence_parallel):
+def documents(sequence_parallel):
+    """Packed documents of the sequence-parallel cases: boundaries at 5 and 13 (shards of 12 tokens:
+    one inside the first, one inside the second), sample 1 one document."""
+    if not sequence_parallel:
+        return None
+    return torch.tensor([[0] * 5 + [1] * 8 + [2] * 11, [0] * S])
+
+
+def mixer_step(module, sequence_parallel, document_ids=None):
     """Mixer forward/backward; returns (output, input grad) as this rank holds them."""
     x, dy, modes, _ = inputs()
     if sequence_parallel:
         x, dy = shard_sequence(x), shard_sequence(dy)
     x = x.clone().requires_grad_()
-    out, _ = module(x, modes)
+    out, _ = module(x, modes, document_ids=document_ids)
     out.backward(dy)
     return out.detach(), x.grad
 
 
-def model_step(module, sequence_parallel):
+def model_step(module, sequence_parallel, document_ids=None):
     """Model loss forward/backward; returns (per-token loss, nothing)."""
     _, _, modes, ids = inputs()
-    loss = module(ids[:, :-1], modes, labels=ids[:, 1:])
+    loss = module(ids[:, :-1], modes, labels=ids[:, 1:], document_ids=document_ids)
     loss.sum().backward()
     if sequence_parallel:  # what megatron's finalize_model_grads does for replicated norms
         for p in module.parameters():
@@ -94,14 +103,14 @@ def _tp_equals_tp1(tmp: str, level: str):
         case = Path(tmp) / f"{family}-sp{int(sp)}"
         initialize_parallel(tensor_model_parallel_size=1)
         ref = build(level, family, seed=0)
-        out_ref, dx_ref = step(ref, sequence_parallel=False)
+        out_ref, dx_ref = step(ref, sequence_parallel=False, document_ids=documents(sp))
         grads_ref = {n: p.grad.clone() for n, p in ref.named_parameters()}
         save(ref, case / "weights")
 
         initialize_parallel(tensor_model_parallel_size=2)
         tp2 = build(level, family, seed=1, tensor_model_parallel_size=2, sequence_parallel=sp)
         load(tp2, case / "weights")
-        out, dx = step(tp2, sequence_parallel=sp)
+        out, dx = step(tp2, sequence_parallel=sp, document_ids=documents(sp))
         shard = shard_sequence if (sp and level == "mixer") else (lambda t: t)
         assert_close(out, shard(out_ref), f"{level} {family} sp={sp}: output", TOLERANCE[level])
         if dx is not None:

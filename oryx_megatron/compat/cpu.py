@@ -7,7 +7,9 @@ megatron-core hard-codes CUDA in a few places that the model path reaches
    all-gather) and conv/param tensors -> returns ``"cpu"``.
 2. The model-parallel RNG tracker forks the CUDA generator even with dropout 0 ->
    its get/set state is redirected to the CPU generator.
-3. ``torch.cuda.synchronize`` (dist_checkpointing's file writer) -> a no-op.
+3. ``torch.cuda.synchronize`` (dist_checkpointing's file writer) -> a no-op;
+   ``torch.cuda.current_stream()`` (DDP's grad sync from megatron-core 0.19 waits on it every
+   step) -> the CPU stream (``torch.cpu.current_stream()``: its waits are no-ops).
 4. The optimizer, DDP and grad clipping create tensors with ``device='cuda'``, call
    ``.cuda()`` and assert ``grad.type() == 'torch.cuda.FloatTensor'``: ``cuda_to_cpu()`` is
    a TorchFunctionMode that maps those to the CPU; the training step runs inside it (a
@@ -40,6 +42,7 @@ def apply_cpu_compat() -> bool:
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = torch.cpu.current_stream
 
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     torch.cuda.manual_seed = torch.manual_seed

@@ -3,6 +3,7 @@
 Modules (the data code knows no model code):
 
 - ``modes``: ``ModeSchedule`` and ``build_mode_schedule`` (which mixer reads each token);
+- ``documents``: ``document_ids`` (the document of each token of a packed sequence);
 - ``shards``: the dataset format shared with ``data_prep`` (manifest + WebDataset shards);
 - ``loader``: ``ShardLoader``, deterministic and resumable, plus ``parse_blend``;
 - ``indexed``: ``IndexedLoader`` over Megatron ``.bin/.idx`` data (imports megatron.core).

@@ -3,7 +3,8 @@ blended by BlendedMegatronDatasetBuilder), with ``modes`` added to every batch.
 
 Sample selection, packing, shuffling and blending are Megatron's own; this module only
 configures them, lays the samples out over data-parallel ranks like Megatron's
-pretraining sampler, and adds the modes.
+pretraining sampler, and adds the modes (and, with ``reset_at_eod``, the document ids of
+the tokens: GPTDataset's own ``reset_*`` stay off, so its samples are unchanged).
 """
 
 from collections import OrderedDict
@@ -70,10 +71,11 @@ class IndexedLoader(RankBatches):
 
     def __init__(self, data_path, *, seq_len: int, micro_batch_size: int, num_samples: int, eod_id: int,
                  seed: int = 1234, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0, mode_schedule=None,
-                 cache_dir: Optional[str] = None, split: str = "train", split_ratio: str = "100,0,0"):
+                 cache_dir: Optional[str] = None, split: str = "train", split_ratio: str = "100,0,0",
+                 reset_at_eod: bool = False):
         super().__init__(seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, dp_rank=dp_rank,
-                         dp_size=dp_size, mode_schedule=mode_schedule)
-        self.num_samples, self.num_workers = num_samples, num_workers
+                         dp_size=dp_size, mode_schedule=mode_schedule, reset_at_eod=reset_at_eod)
+        self.num_samples, self.num_workers, self.eod_id = num_samples, num_workers, eod_id
         self.dataset = build_gpt_dataset(data_path, seq_len=seq_len, num_samples=num_samples, eod_id=eod_id,
                                          seed=seed, cache_dir=cache_dir, split=split, split_ratio=split_ratio)
         self._batches = None

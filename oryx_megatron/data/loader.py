@@ -27,8 +27,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from oryx_megatron.data.documents import document_ids
 from oryx_megatron.data.modes import ModeSchedule, build_mode_schedule
-from oryx_megatron.data.shards import Manifest, ShardInfo, read_documents
+from oryx_megatron.data.shards import Manifest, Part, ShardInfo, read_documents
 
 # Tags that keep the seeded generators of different purposes apart.
 _DOCUMENT_ORDER, _SAMPLE_ORDER = 2, 3
@@ -100,18 +101,21 @@ class _Source:
     """The samples of one source (see the module docstring): document lengths in memory
     (numpy), the current epochs' orders, and a small cache of shards read on demand."""
 
-    def __init__(self, manifest: Manifest, documents: Tuple[int, int], index: int, seed: int, seq_len: int,
+    def __init__(self, manifest: Manifest, part: Part, index: int, seed: int, seq_len: int,
                  pool: Optional[ProcessPoolExecutor]):
         self.manifest, self.index, self.seed, self.seq_len, self.pool = manifest, index, seed, seq_len, pool
         self.shard_first = np.zeros(len(manifest.shards) + 1, np.int64)  # global id of each shard's first document
         np.cumsum([s.documents for s in manifest.shards], out=self.shard_first[1:])
-        self.first_doc, end_doc = documents
-        first_shard = int(np.searchsorted(self.shard_first, self.first_doc, "right")) - 1
-        last_shard = int(np.searchsorted(self.shard_first, end_doc, "left"))
+        self.first_doc, self.start = part.first, part.start  # the split's first document begins at token start
+        first_shard = int(np.searchsorted(self.shard_first, part.first, "right")) - 1
+        last_shard = int(np.searchsorted(self.shard_first, part.end, "left"))
         lengths = np.concatenate([_read_lengths(manifest.shard_path(manifest.shards[s]), manifest.shards[s])
                                   for s in range(first_shard, last_shard)])
-        skip = self.first_doc - int(self.shard_first[first_shard])
-        self.lengths = lengths[skip:skip + end_doc - self.first_doc]  # the split's documents
+        skip = part.first - int(self.shard_first[first_shard])
+        self.lengths = lengths[skip:skip + part.end - part.first].copy()  # the split's (pieces of) documents
+        if part.stop is not None:
+            self.lengths[-1] = part.stop
+        self.lengths[0] -= part.start
         self.documents, self.tokens = len(self.lengths), int(self.lengths.sum())
         self.samples_per_epoch = (self.tokens + self.documents - 1) // seq_len  # an EOD after each document
         if self.samples_per_epoch < 1:
@@ -174,13 +178,13 @@ class _Source:
         for doc, lo, hi in self._pieces(sample):
             shard = int(np.searchsorted(self.shard_first, doc, "right")) - 1
             tokens, offsets = self._shard(shard)
-            local = doc - int(self.shard_first[shard])
-            a, b = int(offsets[local]), int(offsets[local + 1])
-            n = min(hi, b - a) - lo  # tokens of the document in the window (then maybe its EOD)
+            a = int(offsets[doc - int(self.shard_first[shard])]) + (self.start if doc == self.first_doc else 0)
+            length = int(self.lengths[doc - self.first_doc])  # of the split's piece of the document
+            n = min(hi, length) - lo  # tokens of the document in the window (then maybe its EOD)
             if n > 0:
                 out[pos:pos + n] = tokens[a + lo:a + lo + n]
                 pos += n
-            if hi == b - a + 1:
+            if hi == length + 1:
                 out[pos] = self.manifest.eod_id
                 pos += 1
         assert pos == len(out)
@@ -188,12 +192,16 @@ class _Source:
 
 
 class RankBatches:
-    """What every loader shares: the global sample layout, the modes and the consumed-samples
-    counter. Micro-batch ``k`` of rank ``r`` holds the global samples
-    ``k * mbs * dp + r * mbs + [0, mbs)`` (Megatron's pretraining sampler order)."""
+    """What every loader shares: the global sample layout, the modes, the document ids and the
+    consumed-samples counter. Micro-batch ``k`` of rank ``r`` holds the global samples
+    ``k * mbs * dp + r * mbs + [0, mbs)`` (Megatron's pretraining sampler order). With
+    ``reset_at_eod``, batches also hold ``document_ids`` (``documents.document_ids`` of the
+    tokens and the loader's ``eod_id``)."""
+
+    eod_id: Optional[int] = None
 
     def __init__(self, *, seq_len: int, micro_batch_size: int, seed: int, dp_rank: int, dp_size: int,
-                 mode_schedule):
+                 mode_schedule, reset_at_eod: bool = False):
         for name, value, low in (("seq_len", seq_len, 1), ("micro_batch_size", micro_batch_size, 1),
                                  ("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0)):
             if not isinstance(value, int) or value < low:
@@ -201,7 +209,7 @@ class RankBatches:
         if dp_rank >= dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not below dp_size {dp_size}")
         self.seq_len, self.micro_batch_size, self.seed = seq_len, micro_batch_size, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp_size, self.reset_at_eod = dp_rank, dp_size, reset_at_eod
         self.mode_schedule: ModeSchedule = build_mode_schedule(mode_schedule)
         self.consumed_samples = 0  # global, over all ranks
 
@@ -212,8 +220,14 @@ class RankBatches:
 
     def _finish(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         batch["modes"] = self.mode_schedule.batch(self.seq_len, self.sample_indices(), self.seed)
+        if self.reset_at_eod:
+            batch["document_ids"] = self._document_ids(batch["tokens"])
         self.consumed_samples += self.micro_batch_size * self.dp_size
         return batch
+
+    def _document_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """int32 [mbs, seq_len]: the document of each token within its sample."""
+        return document_ids(tokens, self.eod_id)
 
     def _check_state(self, state: dict, **expected) -> None:
         for key, value in expected.items():
@@ -245,30 +259,33 @@ class ShardLoader(RankBatches):
     ``mode_schedule``: a ModeSchedule or its config (default ``random_chunks``).
     ``holdout_shards``/``split``: read only the "train" or the held-out "valid" documents of
     each source (``Manifest.holdout``: the last ``holdout_shards`` shards, or the last
-    ``HOLDOUT_FRACTION`` of the documents of a source with too few shards); 0 reads everything.
+    ``HOLDOUT_FRACTION`` of the documents of a source with too few shards, or the tail of the
+    only document, at least one sample; ``holdout_tail=False``: nothing of a one-document
+    source); ``holdout_shards=0`` reads everything. ``reset_at_eod``: add ``document_ids``.
     """
 
     def __init__(self, data_path, *, seq_len: int, micro_batch_size: int, seed: int = 1234, dp_rank: int = 0,
                  dp_size: int = 1, num_workers: int = 0, mode_schedule=None, holdout_shards: int = 0,
-                 split: str = "train", lookahead: int = 2):
+                 split: str = "train", holdout_tail: bool = True, reset_at_eod: bool = False, lookahead: int = 2):
         super().__init__(seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, dp_rank=dp_rank,
-                         dp_size=dp_size, mode_schedule=mode_schedule)
+                         dp_size=dp_size, mode_schedule=mode_schedule, reset_at_eod=reset_at_eod)
         paths, weights = parse_blend(data_path)
         self.manifests = [Manifest.read(p) for p in paths]
-        ranges = [m.holdout(holdout_shards, split) if holdout_shards or split == "valid" else (0, m.documents)
-                  for m in self.manifests]
+        parts = [m.holdout(holdout_shards, split, min_tokens=seq_len, tail=holdout_tail)
+                 if holdout_shards or split == "valid" else Part(0, m.documents) for m in self.manifests]
         first = self.manifests[0]
         for path, m in zip(paths[1:], self.manifests[1:]):
             if (m.tokenizer["sha256"], m.eod_id, m.vocab_size) != (first.tokenizer["sha256"], first.eod_id, first.vocab_size):
                 raise ValueError(f"{path} was tokenized with another tokenizer than {paths[0]}; blended sources must share one")
-        for path, m, (lo, hi) in zip(paths, self.manifests, ranges):
-            if m.tokens == 0 or hi <= lo:
-                raise ValueError(f"{path} holds no tokens" + (f" in its {split!r} split" if hi <= lo else ""))
+        for path, m, part in zip(paths, self.manifests, parts):
+            empty = part.end <= part.first
+            if m.tokens == 0 or empty:
+                raise ValueError(f"{path} holds no tokens" + (f" in its {split!r} split" if empty else ""))
         self.vocab_size, self.eod_id = first.vocab_size, first.eod_id
         self._pool = ProcessPoolExecutor(num_workers) if num_workers > 0 else None
         self.lookahead = lookahead if self._pool else 0  # micro-batches whose shards are read ahead
-        self._sources = [_Source(m, r, i, seed, seq_len, self._pool)
-                         for i, (m, r) in enumerate(zip(self.manifests, ranges))]
+        self._sources = [_Source(m, part, i, seed, seq_len, self._pool)
+                         for i, (m, part) in enumerate(zip(self.manifests, parts))]
         sizes = np.array([s.tokens for s in self._sources], np.float64)
         self.weights = np.array(weights) if weights else sizes / sizes.sum()
         self._blend_source, self._blend_rank, self._blend_counts = _blending(self.weights, BLEND_BLOCK)

@@ -13,7 +13,7 @@ import json
 import os
 import tarfile
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import webdataset as wds
@@ -23,12 +23,23 @@ FORMAT = "oryx-token-shards"
 VERSION = 1
 MANIFEST = "manifest.json"
 BLOCK_TOKENS = 1 << 20
-HOLDOUT_FRACTION = 0.1  # documents held out of a single-shard dataset (instead of data.holdout_shards shards)
+HOLDOUT_FRACTION = 0.1  # documents held out of a single-shard dataset (tokens of a one-document one)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype that holds every id of the vocabulary."""
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+class Part(NamedTuple):
+    """A part (split) of a dataset: documents ``[first, end)`` (numbered over the shards in
+    order), from token ``start`` of document ``first`` to token ``stop`` of document ``end - 1``
+    (None: its end). Only the one-document holdout cuts a document."""
+
+    first: int
+    end: int
+    start: int = 0
+    stop: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +72,13 @@ class Manifest:
     def shard_path(self, shard: ShardInfo) -> Path:
         return self.root / shard.path
 
-    def holdout(self, holdout_shards: int, split: str) -> Tuple[int, int]:
-        """[first, end) document ids (over the shards in order) of the "train" or the held-out
-        "valid" part of this dataset: the last ``holdout_shards`` shards (one at least left for
-        training); a dataset of a single shard holds out the last ``HOLDOUT_FRACTION`` of its
-        documents instead (at least one, one at least left for training)."""
+    def holdout(self, holdout_shards: int, split: str, min_tokens: int = 1, tail: bool = True) -> Part:
+        """The "train" or the held-out "valid" part of this dataset: the last ``holdout_shards``
+        shards (one at least left for training); in a dataset of a single shard, the last
+        ``HOLDOUT_FRACTION`` of its documents (at least one, one at least left for training);
+        in a dataset of one document, the tail of it: ``HOLDOUT_FRACTION`` of its tokens, at
+        least ``min_tokens`` (one sample), at least ``min_tokens`` left for training, or, with
+        ``tail=False`` (a run without evaluation), nothing."""
         if split not in ("train", "valid"):
             raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
         if len(self.shards) > 1:
@@ -75,12 +88,25 @@ class Manifest:
                     f"{len(self.shards) - 1} ({len(self.shards)} shards, one at least for training)"
                 )
             cut = sum(s.documents for s in self.shards[:len(self.shards) - holdout_shards])
+        elif self.documents == 1:
+            return self._tail_holdout(split, min_tokens, tail)
         else:
-            if self.documents < 2:
-                raise ValueError(f"{self.root / MANIFEST}: {self.documents} document(s) cannot be split into "
-                                 f"training and held-out data")
             cut = self.documents - min(self.documents - 1, max(1, round(self.documents * HOLDOUT_FRACTION)))
-        return (0, cut) if split == "train" else (cut, self.documents)
+        return Part(0, cut) if split == "train" else Part(cut, self.documents)
+
+    def _tail_holdout(self, split: str, min_tokens: int, tail: bool) -> Part:
+        """``holdout`` of a dataset of one document: a token range at its end (or nothing)."""
+        if not tail:
+            if split == "valid":
+                raise ValueError(f"{self.root / MANIFEST}: its one document is not split (a run without "
+                                 f"evaluation): there is no held-out data")
+            return Part(0, 1)
+        held_out = max(min_tokens, round(self.tokens * HOLDOUT_FRACTION))
+        if self.tokens - held_out < min_tokens:
+            raise ValueError(f"{self.root / MANIFEST}: its one document of {self.tokens} tokens is too short to hold "
+                             f"out a tail: training and held-out data need {min_tokens} tokens each")
+        cut = self.tokens - held_out
+        return Part(0, 1, stop=cut) if split == "train" else Part(0, 1, start=cut)
 
     def write(self, path: Path) -> None:
         """Write atomically (tmp file + rename)."""

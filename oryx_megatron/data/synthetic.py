@@ -3,7 +3,8 @@
 Sample ``i`` (global index) is ``generate_mqar`` of one sample with a seed derived from
 ``(seed, split, i)``: a pure function of those, so every data-parallel layout and every
 resume sees the same samples. ``loss_mask`` is 1 on the answer positions only (the MQAR
-convention); ``modes`` come from the mode schedule like every loader's.
+convention); ``modes`` come from the mode schedule like every loader's. A sample is one
+document: with ``reset_at_eod``, its ``document_ids`` are zeros.
 """
 
 import dataclasses
@@ -24,9 +25,10 @@ class MQARLoader(RankBatches):
 
     def __init__(self, *, seq_len: int, micro_batch_size: int, vocab_size: int, num_pairs: int,
                  num_queries: Optional[int] = None, filler_id: Optional[int] = None, seed: int = 1234,
-                 dp_rank: int = 0, dp_size: int = 1, mode_schedule=None, split: str = "train"):
+                 dp_rank: int = 0, dp_size: int = 1, mode_schedule=None, split: str = "train",
+                 reset_at_eod: bool = False):
         super().__init__(seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, dp_rank=dp_rank,
-                         dp_size=dp_size, mode_schedule=mode_schedule)
+                         dp_size=dp_size, mode_schedule=mode_schedule, reset_at_eod=reset_at_eod)
         if split not in SPLIT_TAGS:
             raise ValueError(f"split must be one of {tuple(SPLIT_TAGS)}, got {split!r}")
         self.split, self.vocab_size = split, vocab_size
@@ -47,6 +49,9 @@ class MQARLoader(RankBatches):
             "loss_mask": stack("answer_mask", np.float32),
             "position_ids": torch.arange(self.seq_len).expand(shape).contiguous(),
         })
+
+    def _document_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(tokens.shape, dtype=torch.int32)  # one document per sample, no EOD
 
     def _identity(self) -> dict:
         return {"seq_len": self.seq_len, "seed": self.seed, "split": self.split, "vocab_size": self.vocab_size,

@@ -35,10 +35,17 @@ def dataset_vocab(run: TrainConfig) -> Tuple[int, Optional[int]]:
     return manifest.vocab_size, manifest.eod_id
 
 
+def document_reset_id(run: TrainConfig) -> Optional[int]:
+    """The EOD id at which generation restarts every state, for a run trained with data.reset_at_eod
+    (``generate(..., reset_at_eod=...)``); None for one trained across documents."""
+    return dataset_vocab(run)[1] if run.data.reset_at_eod else None
+
+
 def heldout_batches(run: TrainConfig, num_batches: int, batch_size: int,
                     schedule: Optional[ModeSchedule] = None) -> List[Dict[str, Tensor]]:
     """The first ``num_batches`` batches of the held-out loader (the valid split of training eval):
-    tokens, labels, modes and loss_mask [batch_size, seq_length], the modes drawn by ``schedule`` (default:
+    tokens, labels, modes and loss_mask (and document_ids with data.reset_at_eod) [batch_size,
+    seq_length], the modes drawn by ``schedule`` (default:
     the run's) as the loader keys them, by global sample index and seed."""
     run = dataclasses.replace(
         run,
@@ -46,17 +53,21 @@ def heldout_batches(run: TrainConfig, num_batches: int, batch_size: int,
         train=dataclasses.replace(run.train, micro_batch_size=batch_size, global_batch_size=batch_size,
                                   eval_iters=num_batches),
     )
+    keys = ("tokens", "labels", "modes", "loss_mask") + (("document_ids",) if run.data.reset_at_eod else ())
     with build_loader(run, split="valid", mode_schedule=schedule) as loader:
-        return [{key: batch[key] for key in ("tokens", "labels", "modes", "loss_mask")}
-                for batch, _ in zip(loader, range(num_batches))]
+        return [{key: batch[key] for key in keys} for batch, _ in zip(loader, range(num_batches))]
 
 
 @torch.no_grad()
 def token_losses(model, batches: List[Dict[str, Tensor]]) -> Tensor:
-    """Per-token loss [n, s] fp32 of every window, each token reading with its batch's mode."""
+    """Per-token loss [n, s] fp32 of every window, each token reading with its batch's mode (and, for a
+    run trained with data.reset_at_eod, within its document)."""
     device = next(model.parameters()).device
-    losses = [model(b["tokens"].to(device), b["modes"].to(device), labels=b["labels"].to(device)).float().cpu()
-              for b in batches]
+    losses = []
+    for b in batches:
+        docs = b.get("document_ids")
+        losses.append(model(b["tokens"].to(device), b["modes"].to(device), labels=b["labels"].to(device),
+                            document_ids=None if docs is None else docs.to(device)).float().cpu())
     return torch.cat(losses)
 
 

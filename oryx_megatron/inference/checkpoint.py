@@ -53,4 +53,4 @@ def load_model(path: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.
     model = build_model(args, transformer_config(args, params_dtype=dtype, perform_initialization=False))
     state = load_sharded({"model": model.sharded_state_dict()}, ckpt)
     model.load_state_dict(state["model"])
-    return model.to(dtype).eval(), run
+    return model.eval(), run  # built in dtype (the SSM scalars in fp32): no cast

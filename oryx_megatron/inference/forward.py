@@ -1,7 +1,7 @@
 """What every decoding loop shares: the model checks, eval mode, and one forward through the caches."""
 
 import contextlib
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -9,6 +9,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from torch import Tensor
 
 from oryx_megatron.config import Mode
+from oryx_megatron.data.documents import document_ids as count_documents
 
 
 def check_model(model: torch.nn.Module) -> Tuple[torch.device, torch.dtype]:
@@ -40,10 +41,12 @@ def mode_arg(host_modes: np.ndarray, modes: Tensor) -> Union[Mode, Tensor]:
     return Mode(int(first)) if (host_modes == first).all() else modes
 
 
-def cached_logits(model, ids: Tensor, modes: Union[Mode, Tensor], caches, last_only: bool = False) -> Tensor:
+def cached_logits(model, ids: Tensor, modes: Union[Mode, Tensor], caches, last_only: bool = False,
+                  document_ids: Optional[Tensor] = None) -> Tensor:
     """Feed ids [b, s] through the caches; the full-vocab logits of every position [b, s, V], or of
-    the last one [b, 1, V] with ``last_only`` (a prefill)."""
-    logits = model(ids, modes, inference_cache=caches, last_token_logits=last_only)
+    the last one [b, 1, V] with ``last_only`` (a prefill). ``document_ids`` [b, s]: packed documents
+    (``reset_documents``)."""
+    logits = model(ids, modes, inference_cache=caches, last_token_logits=last_only, document_ids=document_ids)
     if last_only:
         logits = logits[:, -1:]  # under sequence parallelism the model returns every position
     if getattr(model, "parallel_output", False):
@@ -60,3 +63,18 @@ def restore(caches, saved: list) -> None:
     """Every layer's cache back to its snapshot, in place."""
     for cache, state in zip(caches, saved):
         cache.restore(state)
+
+
+def prompt_documents(ids: Tensor, eod_id: Optional[int]) -> Optional[Tensor]:
+    """The document ids [b, s] of prompt tokens ids [b, s] for a model trained with data.reset_at_eod
+    (``eod_id``: its EOD token; a token after an EOD starts a document), None otherwise."""
+    return None if eod_id is None else count_documents(ids, eod_id)
+
+
+def reset_documents(caches, previous: Tensor, eod_id: Optional[int]) -> None:
+    """Before feeding the next token: every layer's states restart where ``previous`` [b] (the token fed
+    last) is the EOD token (``MixerCache.start_documents``); nothing without ``eod_id``."""
+    if eod_id is not None:
+        starting = previous == eod_id
+        for cache in caches:
+            cache.start_documents(starting)

@@ -34,9 +34,12 @@ from torch import Tensor
 
 from oryx_megatron.config import Mode
 from oryx_megatron.inference.cuda_graphs import decode_step, use_cuda_graphs
-from oryx_megatron.inference.forward import cached_logits, check_model, eval_mode, mode_arg
+from oryx_megatron.inference.forward import (
+    cached_logits, check_model, eval_mode, mode_arg, prompt_documents, reset_documents,
+)
+from oryx_megatron.inference.routing import ChunkDecisions
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
-from oryx_megatron.inference.schedules import InferenceSchedule, as_inference_schedule
+from oryx_megatron.inference.schedules import InferenceSchedule, RouterSchedule, as_inference_schedule
 
 
 @dataclasses.dataclass
@@ -102,8 +105,19 @@ class RaggedBatch:
         """The modes argument for positions [start, end): a Mode when all read one, else modes [b, end - start]."""
         return mode_arg(self.host_modes[:, start:end], self.modes[:, start:end])
 
+    def set_chunk_modes(self, first: int, modes: Tensor, chunk_size: int) -> None:
+        """The modes of chunks first.. (modes [b, k]: a router schedule's decisions) on the device and the host."""
+        start, end = first * chunk_size, min((first + modes.shape[1]) * chunk_size, self.modes.shape[1])
+        if end > start:
+            positions = modes.repeat_interleave(chunk_size, dim=1)[:, : end - start]
+            self.modes[:, start:end] = positions
+            self.host_modes[:, start:end] = positions.cpu().numpy()  # the one host sync of a decision
+
     def require_linear_only(self) -> None:
         """Refuse (before any compute) a schedule that makes a token read attention: no KV cache to read."""
+        if isinstance(self.schedule, RouterSchedule):
+            raise ValueError(f"no KV cache (kv_cache=False / --no-kv-cache): schedule '{self.schedule}' may make a "
+                             "token read attention; use a linear-only schedule such as all_linear")
         attention = self.host_modes == Mode.ATTENTION  # [b, span]
         if attention.any():
             i, pos = np.argwhere(attention)[0]
@@ -131,10 +145,13 @@ def schedule_prompts(prompts: Sequence[Sequence[int]], schedule, max_new_tokens:
     bad = tokens[(tokens < 0) | (tokens >= vocab_limit)]
     if bad.numel():
         raise ValueError(f"a prompt holds id {int(bad[0])}, outside [0, vocab_size={vocab_limit})")
-    modes = np.stack([
-        np.pad(schedule.position_modes(n, n + max_new_tokens - 1), (0, span - n - max_new_tokens + 1), mode="edge")
-        for n in lengths
-    ])
+    if isinstance(schedule, RouterSchedule):  # decided chunk by chunk as decoding goes (``_decode``)
+        modes = np.full((len(prompts), span), Mode.LINEAR, np.int8)
+    else:
+        modes = np.stack([
+            np.pad(schedule.position_modes(n, n + max_new_tokens - 1), (0, span - n - max_new_tokens + 1), mode="edge")
+            for n in lengths
+        ])
     return RaggedBatch(tokens.to(device), torch.from_numpy(modes).to(device), modes,
                        torch.tensor(lengths, device=device), lengths, max_new_tokens, schedule)
 
@@ -190,6 +207,7 @@ def generate(
     output_logits: bool = False,
     kv_cache: bool = True,
     cuda_graphs: Optional[bool] = None,
+    reset_at_eod: Optional[int] = None,
 ) -> GenerationResult:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -197,7 +215,10 @@ def generate(
     (``schedules.parse_schedule``); vocab_size: the tokenizer's, ids at or above it
     (the padded vocab) are never sampled. kv_cache=False: keep no keys/values (the schedule
     must read linear everywhere). cuda_graphs: replay the one-token steps from CUDA graphs
-    (None: on CUDA devices). The model runs in eval mode, then gets its training flag back.
+    (None: on CUDA devices). reset_at_eod: the EOD id of a model trained with data.reset_at_eod:
+    after each EOD token (in the prompt or generated) every state restarts and attention reads
+    only the new document, as in training. The model runs in eval mode, then gets its training
+    flag back.
     """
     device, dtype = check_model(model)
     graphs = use_cuda_graphs(cuda_graphs, device)
@@ -207,9 +228,13 @@ def generate(
         batch.require_linear_only()
     sequences = _Sequences(batch, Sampler(sampling, vocab_size, device), stop_token_ids, output_logits)
     b = len(batch.lengths)
+    routed = isinstance(batch.schedule, RouterSchedule)
     with eval_mode(model):
-        cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache)
-        prefill_seconds, decode_seconds, capture_seconds = _decode(model, batch, sequences, cache, graphs)
+        decisions = ChunkDecisions(model, batch.schedule, b, device) if routed else None
+        cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache,
+                                               readouts=routed)
+        prefill_seconds, decode_seconds, capture_seconds = _decode(model, batch, sequences, cache, graphs,
+                                                                   reset_at_eod, decisions)
 
     counts = {m.name.lower(): int(n) for m, n in zip(Mode, sequences.fed)}
     stats = GenerationStats(
@@ -225,11 +250,20 @@ def generate(
     return GenerationResult(sequences.tokens, sequences.reasons, stats, logits_out)
 
 
-def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs: bool):
-    """Prefill, then one-token steps until every sequence is done: (prefill, decode, graph capture) seconds."""
+def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs: bool, eod_id: Optional[int],
+            decisions: Optional[ChunkDecisions]):
+    """Prefill, then one-token steps until every sequence is done: (prefill, decode, graph capture) seconds.
+    With ``decisions`` (a router schedule) the chunks up to the prefill's end are decided from one routing
+    pass over the prefill, each later one at its first position from the readouts of the token before."""
     device, t0 = batch.tokens.device, batch.prefill_len
     start = time.perf_counter()
-    logits = cached_logits(model, batch.tokens[:, :t0], batch.mode_arg(0, t0), cache, last_only=True)[:, -1]  # [b, V]
+    prompt = batch.tokens[:, :t0]
+    documents = prompt_documents(prompt, eod_id)
+    if decisions is not None:
+        batch.set_chunk_modes(0, decisions(model.route(prompt, decisions.chunk_size, documents)),
+                              decisions.chunk_size)
+    logits = cached_logits(model, prompt, batch.mode_arg(0, t0), cache, last_only=True,
+                           document_ids=documents)[:, -1]  # [b, V]
     sequences.count_fed(0, t0)
     prefill_seconds, start = elapsed(start, device), time.perf_counter()
     step = decode_step(model, cache, cuda_graphs)
@@ -238,6 +272,10 @@ def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs
         sequences.emit(pos, logits)
         if not any(sequences.live()):
             break
+        reset_documents(cache, batch.tokens[:, pos - 1], eod_id)
+        if decisions is not None and pos % decisions.chunk_size == 0 and pos // decisions.chunk_size == decisions.decided:
+            chunk_logits = model.router(cache[0].readouts[:, None])[:, 1:]  # [b, 1]: from the token before
+            batch.set_chunk_modes(decisions.decided, decisions(chunk_logits), decisions.chunk_size)
         logits = step(batch.tokens[:, pos : pos + 1], batch.mode_arg(pos, pos + 1))
         sequences.count_fed(pos, pos + 1)
         pos += 1

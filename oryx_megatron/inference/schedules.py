@@ -16,7 +16,10 @@ forms tied to the prompt or to absolute positions:
 - ``PhaseSchedule(prefill, decode)``: one mode for the prompt, one for the generated tokens,
   ``prefill=linear decode=attention``;
 - ``SpanSchedule``: explicit absolute spans, ``linear:0-100,attention:100-`` (the last span
-  may be open-ended).
+  may be open-ended);
+- ``RouterSchedule``: each chunk's mode chosen by the model's router, ``router threshold=0.5`` or
+  ``router budget=0.1`` (``chunk_size=N``: another chunk than the router's); applied by the
+  code that has the model (``generate``, ``route_modes``), chunk by chunk.
 
 ``parse_schedule(text)`` reads these forms; ``as_inference_schedule`` accepts all of them.
 """
@@ -32,7 +35,8 @@ from oryx_megatron.data.modes import SCHEDULES, AllAttention, AllLinear, ModeSch
 
 FORMS = (
     f"expected a schedule name ({', '.join(SCHEDULES)}) with its fields as FIELD=VALUE "
-    "('linear_then_attention n_last=16'), 'prefill=MODE decode=MODE', or spans 'MODE:START-END,...,MODE:START-'"
+    "('linear_then_attention n_last=16'), 'prefill=MODE decode=MODE', spans 'MODE:START-END,...,MODE:START-', "
+    "or 'router threshold=P' / 'router budget=FRACTION'"
 )
 
 
@@ -126,6 +130,38 @@ class PositionSchedule(InferenceSchedule):
         return str(self.schedule)
 
 
+@dataclasses.dataclass(frozen=True)
+class RouterSchedule(InferenceSchedule):
+    """Chunk c reads attention where the router's probability for it reaches the threshold: given as
+    ``threshold``, or, for a ``budget`` (a fraction of the tokens), the router's calibrated (1 - budget)
+    quantile, with a quota: no chunk reads attention once the chunks so far that did exceed budget x
+    chunks so far + 1. Decisions are made in order, each from the router's logit of that chunk alone
+    (which reads only earlier tokens): causal. ``chunk_size`` None: the model's router_chunk_size."""
+
+    threshold: Optional[float] = None
+    budget: Optional[float] = None
+    chunk_size: Optional[int] = None
+
+    def __post_init__(self):
+        if (self.threshold is None) == (self.budget is None):
+            raise ValueError(f"inference schedule '{self}': give exactly one of threshold=P or budget=FRACTION")
+        for name in ("threshold", "budget"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"inference schedule '{self}': {name}={value} is not in [0, 1]")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"inference schedule '{self}': chunk_size={self.chunk_size} must be positive")
+
+    def position_modes(self, prompt_len, total_len):
+        raise TypeError(f"inference schedule '{self}' chooses modes with the model's router: pass it to generate() "
+                        "or route_modes(), which have the model")
+
+    def __str__(self):
+        fields = [f"{name}={getattr(self, name)}" for name in ("threshold", "budget", "chunk_size")
+                  if getattr(self, name) is not None]
+        return " ".join(["router", *fields])
+
+
 ALL_ATTENTION = PositionSchedule(AllAttention())
 ALL_LINEAR = PositionSchedule(AllLinear())
 LINEAR_PREFILL = PhaseSchedule(Mode.LINEAR, Mode.ATTENTION)  # prefill=linear decode=attention
@@ -142,6 +178,8 @@ def parse_schedule(text: str) -> InferenceSchedule:
         return _parse_phases(text, parts)
     if ":" in parts[0]:
         return SpanSchedule(tuple(_parse_span(text, p) for p in parts))
+    if parts[0] == "router":
+        return _parse_router(text, parts[1:])
     if parts[0] not in SCHEDULES:
         raise ValueError(f"inference schedule {text!r}: unknown schedule {parts[0]!r}; {FORMS}")
     try:
@@ -163,6 +201,20 @@ def _parse_phases(text: str, parts) -> PhaseSchedule:
         if key not in fields:
             raise ValueError(f"inference schedule {text!r}: missing '{key}=MODE'")
     return PhaseSchedule(**fields)
+
+
+def _parse_router(text: str, parts) -> RouterSchedule:
+    fields = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key not in ("threshold", "budget", "chunk_size") or not value:
+            raise ValueError(f"inference schedule {text!r}: cannot read {part!r}; expected 'router threshold=P', "
+                             "'router budget=FRACTION', optionally 'chunk_size=N'")
+        try:
+            fields[key] = int(value) if key == "chunk_size" else float(value)
+        except ValueError:
+            raise ValueError(f"inference schedule {text!r}: {key}={value!r} is not a number") from None
+    return RouterSchedule(**fields)
 
 
 def _parse_span(text: str, part: str) -> Span:

@@ -32,7 +32,9 @@ from torch import Tensor
 
 from oryx_megatron.config import Mode
 from oryx_megatron.inference.cuda_graphs import StepFn, decode_step, use_cuda_graphs
-from oryx_megatron.inference.forward import cached_logits, check_model, eval_mode, restore, snapshot
+from oryx_megatron.inference.forward import (
+    cached_logits, check_model, eval_mode, prompt_documents, reset_documents, restore, snapshot,
+)
 from oryx_megatron.inference.generation import (
     GenerationResult,
     GenerationStats,
@@ -111,11 +113,13 @@ def speculative_generate(
     vocab_size: Optional[int] = None,
     output_logits: bool = False,
     cuda_graphs: Optional[bool] = None,
+    reset_at_eod: Optional[int] = None,
 ) -> GenerationResult:
     """``generate`` for one prompt by self-speculative decoding with k = ``speculative_tokens`` drafts
     per round (see the module docstring). The schedule gives the prompt's modes; every generated
     token reads attention. Stats add ``drafted`` and ``accepted``; tokens_per_mode counts every
-    token fed, drafts and re-fed tokens included."""
+    token fed, drafts and re-fed tokens included. reset_at_eod (as ``generate``'s): the prompt's
+    documents reset the states; a generated EOD ends the output (a stop token)."""
     if len(prompts) != 1:
         raise ValueError(f"speculative decoding supports batch 1 (one prompt), got {len(prompts)} prompts")
     k = speculative_tokens
@@ -126,11 +130,14 @@ def speculative_generate(
     limit = vocab_size if vocab_size is not None else model.vocab_size
     batch = schedule_prompts(prompts, schedule, max_new_tokens, limit, device)
     n = batch.lengths[0]
-    sampler, stop = Sampler(sampling, vocab_size, device), set(stop_token_ids)
+    sampler, stop = Sampler(sampling, vocab_size, device), set(stop_token_ids) | {reset_at_eod} - {None}
     with eval_mode(model):
         caches = model.allocate_inference_cache(1, dtype, device, capacity=batch.capacity)
         start = time.perf_counter()
-        first = cached_logits(model, batch.tokens[:, :n], batch.mode_arg(0, n), caches, last_only=True)[0]  # [1, V]
+        prompt = batch.tokens[:, :n]
+        first = cached_logits(model, prompt, batch.mode_arg(0, n), caches, last_only=True,
+                              document_ids=prompt_documents(prompt, reset_at_eod))[0]  # [1, V]
+        reset_documents(caches, prompt[:, -1], reset_at_eod)  # a prompt ending in EOD: the output starts a document
         tokens, logits = sampler(first).tolist(), [first]
         prefill_seconds, start = elapsed(start, device), time.perf_counter()
         step = decode_step(model, caches, graphs)

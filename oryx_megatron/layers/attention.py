@@ -3,7 +3,8 @@
 Both take q [b, sq, h, d_k], k [b, sk, h, d_k], v [b, sk, h, d_v] with the queries
 at the last sq positions (bottom-right causal), which serves training (sq == sk) and
 prefill after a cached prefix alike; and ``read`` [b, sq] bool, the positions whose output
-is used (None: all of them).
+is used (None: all of them); and ``document_ids`` [b, sk] (None: one document), within which a
+query reads.
 """
 
 from typing import Optional
@@ -25,10 +26,11 @@ class SDPAttention(MegatronModule):
         super().__init__(config)
         self.kernels = get_kernels(config.kernel_backend)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, read: Optional[Tensor] = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, read: Optional[Tensor] = None,
+                document_ids: Optional[Tensor] = None) -> Tensor:
         if read is None:
-            return self.kernels.causal_attention(q, k, v)
-        return self.kernels.block_sparse_causal_attention(q, k, v, read, self.query_block)
+            return self.kernels.causal_attention(q, k, v, document_ids=document_ids)
+        return self.kernels.block_sparse_causal_attention(q, k, v, read, self.query_block, document_ids=document_ids)
 
 
 class TEAttention(MegatronModule):
@@ -50,6 +52,10 @@ class TEAttention(MegatronModule):
             layer_number=layer_number,
         )
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, read: Optional[Tensor] = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, read: Optional[Tensor] = None,
+                document_ids: Optional[Tensor] = None) -> Tensor:
+        if document_ids is not None:
+            raise NotImplementedError("transformer_impl=transformer_engine does not take packed documents "
+                                      "(data.reset_at_eod) yet: use transformer_impl=local")
         b, sq, h, _ = q.shape
         return self.attention(q, k, v).view(b, sq, h, -1)  # TE returns [b, sq, h * d_v]

@@ -32,7 +32,7 @@ class CausalSDPAttention(MegatronModule):
     DotProductAttention scales them (its ``apply_query_key_layer_scaling`` divides and multiplies
     back by the layer number: the same net scale). Grouped-query keys and values are repeated
     per query head as megatron repeats them. Unsupported there and here: context parallelism,
-    packed sequences, attention bias; not offered here: sliding windows and softmax variants.
+    packed sequences (PackedSeqParams; a document mask as attention_mask is taken), attention bias; not offered here: sliding windows and softmax variants.
     """
 
     def __init__(
@@ -78,10 +78,11 @@ class CausalSDPAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> Tensor:
-        """query [sq, b, np, hn], key and value [sk, b, ng, hn] -> [sq, b, np * hn]; sq == sk."""
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("CausalSDPAttention computes the causal mask itself: pass attention_mask=None, "
-                             "and no attention_bias or packed_seq_params")
+        """query [sq, b, np, hn], key and value [sk, b, ng, hn] -> [sq, b, np * hn]; sq == sk.
+        attention_mask: None (causal), or megatron's [b, 1, sq, sk] bool, True where a query does not
+        read (packed documents: the causal mask within each)."""
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("CausalSDPAttention takes no attention_bias or packed_seq_params")
         if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal:
             raise ValueError(f"CausalSDPAttention: attn_mask_type={attn_mask_type}, expected causal")
         if query.shape[0] != key.shape[0]:
@@ -97,7 +98,8 @@ class CausalSDPAttention(MegatronModule):
         forked_rng = dropout_p > 0.0 and not self.config.sequence_parallel  # as DotProductAttention
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked_rng else nullcontext():
             context = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale
+                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout_p,
+                is_causal=attention_mask is None, scale=self.softmax_scale,
             )
         sq, b = query.shape[:2]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

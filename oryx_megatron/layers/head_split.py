@@ -1,6 +1,6 @@
 """Per-head parameters, split with their heads over the tensor-parallel ranks."""
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -31,13 +31,14 @@ class HeadSplitModule(MegatronModule):
         self.num_heads = config.num_attention_heads // self.tp_size  # heads on this rank
         self.head_params = []  # names of the parameters add_head_params made
 
-    def add_head_params(self, specs: Dict[str, Tuple[Tuple[int, ...], Callable[..., Tensor]]]) -> None:
+    def add_head_params(self, specs: Dict[str, Tuple[Tuple[int, ...], Callable[..., Tensor]]],
+                        dtype: Optional[torch.dtype] = None) -> None:
         """name -> (full shape, heads first; init drawing a full tensor of that shape): one
-        parameter each, holding this rank's heads."""
+        parameter each, holding this rank's heads, in ``dtype`` (default: ``params_dtype``)."""
         device = None if self.config.use_cpu_initialization else torch.cuda.current_device()
         for name, (shape, init) in specs.items():
             local = (shape[0] // self.tp_size,) + shape[1:]
-            param = nn.Parameter(torch.empty(local, dtype=self.config.params_dtype, device=device))
+            param = nn.Parameter(torch.empty(local, dtype=dtype or self.config.params_dtype, device=device))
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
             if self.config.perform_initialization:
                 with torch.no_grad():

@@ -42,7 +42,9 @@ from torch.utils.checkpoint import checkpoint
 from oryx_megatron.config import Mode, OryxConfig
 from oryx_megatron.layers.head_split import HeadSplitModule
 from oryx_megatron.layers.linear_mixers import LINEAR_MIXER_CLASSES
-from oryx_megatron.ops import apply_rotary, decode_attention, get_kernels, once_per_tensor, rotary_table, upcast
+from oryx_megatron.ops import (
+    apply_rotary, attention_at, decode_attention, get_kernels, once_per_tensor, rotary_table, upcast,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class MixerSnapshot:
 
     conv_states: Dict[str, Tensor]
     recurrent_state: Optional[Tensor]
+    document_start: Tensor
     seqlen: int
 
 
@@ -90,7 +93,9 @@ class MixerCache:
     value: Optional[Tensor]  # [b, capacity, h, d_v]
     recurrent_state: Optional[Tensor]  # [b, h, d_k, d_v] fp32, None for attention-only
     position: Tensor  # 0-dim long, on the device
+    document_start: Tensor  # [b] long: where each sequence's current document starts (keys before it are not read)
     seqlen: int = 0
+    readouts: Optional[Tensor] = None  # [b, h, 2, d_v]: the router's features of the last token (``step``)
 
     @property
     def capacity(self) -> int:
@@ -127,10 +132,35 @@ class MixerCache:
         self.seqlen += n_tokens
         self.position += n_tokens
 
+    def start_documents(self, starting: Tensor) -> None:
+        """The next token of the sequences where ``starting`` [b] bool starts a new document: their
+        conv and recurrent states restart from zero and attention reads from here on. In place, no host
+        sync (a captured decode graph reads the same buffers)."""
+        keep = ~starting
+        for state in self.conv_states.values():
+            state.mul_(keep[:, None, None].to(state.dtype))
+        if self.recurrent_state is not None:
+            self.recurrent_state.mul_(keep[:, None, None, None].to(self.recurrent_state.dtype))
+        self.document_start.copy_(torch.where(starting, self.position, self.document_start))
+
+    def key_document_ids(self, document_ids: Tensor) -> Tensor:
+        """Document ids [b, seqlen + s] of the cached keys and of s new tokens with ``document_ids``
+        [b, s]: a cached key of the current document has the first new token's id, earlier ones -1."""
+        cached = torch.arange(self.seqlen, device=document_ids.device)[None] >= self.document_start[:, None]
+        return torch.cat([torch.where(cached, document_ids[:, :1], -1), document_ids], dim=1)
+
+    def after_documents(self, document_ids: Tensor) -> None:
+        """Move ``document_start`` to the last document start among s new tokens (before ``advance``)."""
+        starts = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0))  # [b, s]
+        index = torch.arange(starts.shape[1], device=starts.device)
+        last = torch.where(starts, index, -1).amax(1)  # [b], -1: no new document
+        self.document_start.copy_(torch.where(last >= 0, self.seqlen + last, self.document_start))
+
     def snapshot(self) -> MixerSnapshot:
         """Copies of the states that tokens overwrite (cached keys past ``seqlen`` are ignored later)."""
         recurrent = None if self.recurrent_state is None else self.recurrent_state.clone()
-        return MixerSnapshot({n: t.clone() for n, t in self.conv_states.items()}, recurrent, self.seqlen)
+        return MixerSnapshot({n: t.clone() for n, t in self.conv_states.items()}, recurrent,
+                             self.document_start.clone(), self.seqlen)
 
     def restore(self, snapshot: MixerSnapshot) -> None:
         """Back to the snapshot's position, in place."""
@@ -138,6 +168,7 @@ class MixerCache:
             self.conv_states[name].copy_(state)
         if snapshot.recurrent_state is not None:
             self.recurrent_state.copy_(snapshot.recurrent_state)
+        self.document_start.copy_(snapshot.document_start)
         self.seqlen = snapshot.seqlen
         self.position.fill_(snapshot.seqlen)
 
@@ -228,28 +259,32 @@ class MultiMixer(HeadSplitModule):
         hidden_states: Tensor,
         modes: Modes = None,
         inference_cache: Optional[MixerCache] = None,
+        document_ids: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         """hidden_states [s, b, hidden] (sequence-sharded under SP) -> (out, bias).
 
         modes: [b, s] per token, or one ``Mode`` read by every token (then only that mixer's
         output is computed); None for a single-mixer layer. With ``inference_cache`` the sequence
         continues the cached one (prefill); one token with a cache is a decode step (``step``).
+        document_ids: [b, s] int (full sequence, as modes) or None: packed documents, each read and
+        remembered alone (attention within it, every state from zero at its start).
         """
         if inference_cache is not None and inference_cache.seqlen > 0 and hidden_states.shape[0] == 1:
             return self.step(hidden_states, modes, inference_cache)
         x = self._project(hidden_states)  # stream -> [b, s, h, d]
         if self.config.recompute_granularity == "selective" and self.training and inference_cache is None:
-            y = checkpoint(self._mix, x, modes, None, use_reentrant=False)  # keep the projections only
+            y = checkpoint(self._mix, x, modes, None, document_ids, use_reentrant=False)  # keep the projections only
         else:
-            y = self._mix(x, modes, inference_cache)
+            y = self._mix(x, modes, inference_cache, document_ids)
         return self._output(y)
 
-    def _mix(self, x: Dict[str, Tensor], modes: Modes, cache: Optional[MixerCache]) -> Tensor:
+    def _mix(self, x: Dict[str, Tensor], modes: Modes, cache: Optional[MixerCache],
+             document_ids: Optional[Tensor] = None) -> Tensor:
         """Projected streams -> each token's read, normed and gated: [b, s, h, d_v]."""
         x = dict(x)  # a recomputation gets the projected streams again
         for name in self.conv_streams:  # shared short convs (and the linear query's)
-            state = cache.conv_states[name] if cache is not None else None
-            x[name], state = self._conv(x[name], getattr(self, f"conv_{name}"), state)
+            state = cache.conv_states[name] if cache is not None and cache.seqlen > 0 else None
+            x[name], state = self._conv(x[name], getattr(self, f"conv_{name}"), state, document_ids)
             if cache is not None:
                 cache.conv_states[name].copy_(state)
         self._gate_keys_and_values(x)
@@ -257,15 +292,18 @@ class MultiMixer(HeadSplitModule):
         reads = self._reads(modes)
         outputs = {}
         if self.has_attention:
-            o = self._attend(x[self.attention_query], x["k"], x["v"], cache, modes, reads)
+            o = self._attend(x[self.attention_query], x["k"], x["v"], cache, modes, reads, document_ids)
             if o is not None:
                 outputs[Mode.ATTENTION] = o
         if self.linear_mixer is not None and (Mode.LINEAR in reads or cache is not None):  # the state absorbs all
             initial = cache.recurrent_state if cache is not None else None
-            outputs[Mode.LINEAR], state = self.linear_mixer(x, initial, output_final_state=cache is not None)
+            outputs[Mode.LINEAR], state = self.linear_mixer(x, initial, output_final_state=cache is not None,
+                                                            document_ids=document_ids)
             if cache is not None:
                 cache.recurrent_state.copy_(state)
         if cache is not None:
+            if document_ids is not None:
+                cache.after_documents(document_ids)
             cache.advance(x["k"].shape[1])
         return self._gated_norm(self._select(outputs, modes), x["g"])
 
@@ -302,14 +340,19 @@ class MultiMixer(HeadSplitModule):
                 q, k = self._rotate(x[self.attention_query][:, None], x["k"][:, None], cache.position.view(1),
                                     cache.capacity)
                 cache.write_at_position(k, x["v"][:, None])
-                if Mode.ATTENTION in reads:
-                    outputs[Mode.ATTENTION] = decode_attention(q, cache.key, cache.value, cache.position)
+                if Mode.ATTENTION in reads or cache.readouts is not None:
+                    outputs[Mode.ATTENTION] = decode_attention(q, cache.key, cache.value, cache.position,
+                                                               cache.document_start)
         if self.linear_mixer is not None:
             o, state = self.linear_mixer.step(x, cache.recurrent_state)
             outputs[Mode.LINEAR] = o[:, None]
             cache.recurrent_state.copy_(state)
         cache.advance(1)
-        return self._output(self._gated_norm(self._select(outputs, modes), x["g"][:, None]))
+        gate = x["g"][:, None]
+        if cache.readouts is not None:  # in place: a captured graph writes the same buffer
+            cache.readouts.copy_(self._readouts(outputs[Mode.ATTENTION], outputs[Mode.LINEAR], gate)[:, 0])
+            outputs = {mode: outputs[mode] for mode in reads if mode in outputs}
+        return self._output(self._gated_norm(self._select(outputs, modes), gate))
 
     def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                                  capacity: Optional[int] = None, kv_cache: bool = True) -> MixerCache:
@@ -331,7 +374,8 @@ class MultiMixer(HeadSplitModule):
             state_dtype = torch.promote_types(dtype, torch.float32)
             recurrent = torch.zeros(self.linear_mixer.state_shape(batch_size), dtype=state_dtype, device=device)
         position = torch.zeros((), dtype=torch.long, device=device)
-        return MixerCache(conv_states, key, value, recurrent, position)
+        document_start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return MixerCache(conv_states, key, value, recurrent, position, document_start)
 
     # ---- pieces shared by forward and step ----
     def _project(self, hidden_states: Tensor) -> Dict[str, Tensor]:
@@ -341,11 +385,12 @@ class MultiMixer(HeadSplitModule):
         proj = proj.transpose(0, 1).reshape(b, s, self.num_heads, -1)
         return dict(zip(self.streams, proj.split(list(self.streams.values()), dim=-1)))
 
-    def _conv(self, x: Tensor, weight: Tensor, state: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    def _conv(self, x: Tensor, weight: Tensor, state: Optional[Tensor],
+              document_ids: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         b, s, h, d = x.shape
         y, final_state = self.kernels.causal_conv1d(
             x.reshape(b, s, h * d), weight, initial_state=state,
-            activation=self.config.mixer_conv_activation,
+            activation=self.config.mixer_conv_activation, document_ids=document_ids,
         )
         return y.view(b, s, h, d), final_state
 
@@ -369,17 +414,44 @@ class MultiMixer(HeadSplitModule):
     def _rotate(self, q: Tensor, k: Tensor, positions: Union[slice, Tensor], length: int) -> Tuple[Tensor, Tensor]:
         """Rotary embedding of q, k [b, s, h, d_k] at ``positions`` (a slice, or [s] on the device) of
         a shared table of at least ``length`` positions (a no-op without rotary)."""
+        return self._rotary(q, positions, length), self._rotary(k, positions, length)
+
+    def _rotary(self, x: Tensor, positions: Union[slice, Tensor], length: int) -> Tensor:
         if not self.config.attention_rotary:
-            return q, k
-        cos, sin = rotary_table(length, self.d_k, self.config.rotary_base, q.device, upcast(q).dtype)
-        cos, sin = cos[positions], sin[positions]  # [s, d_k]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            return x
+        cos, sin = rotary_table(length, self.d_k, self.config.rotary_base, x.device, upcast(x).dtype)
+        return apply_rotary(x, cos[positions], sin[positions])  # cos, sin [s, d_k]
+
+    # ---- what a router reads (layers/router.py) ----
+    def chunk_readouts(self, hidden_states: Tensor, chunk_size: int, document_ids: Optional[Tensor] = None) -> Tensor:
+        """Both mixers' reads of the last token of every whole chunk of ``chunk_size`` positions:
+        hidden_states [s, b, hidden] -> [b, s // chunk_size, h, 2, d_v] (``_readouts``). Neither read
+        depends on any token's mode (both memories absorb every token): in the first layer, whose
+        input does not depend on modes either, they are known before any mode is chosen."""
+        if not self.config.is_multi_mixer:
+            raise ValueError(f"a router reads both mixers: mixers={self.config.mixers!r} has one")
+        x = self._project(hidden_states)  # stream -> [b, s, h, d]
+        for name in self.conv_streams:
+            x[name], _ = self._conv(x[name], getattr(self, f"conv_{name}"), None, document_ids)
+        self._gate_keys_and_values(x)
+        s = x["k"].shape[1]
+        ends = torch.arange(chunk_size - 1, s, chunk_size, device=x["k"].device)  # [n]
+        q = self._rotary(x[self.attention_query][:, ends], ends, s)  # [b, n, h, d_k]
+        attention = attention_at(q, self._rotary(x["k"], slice(0, s), s), x["v"], ends, document_ids)
+        linear, _ = self.linear_mixer(x, document_ids=document_ids)  # [b, s, h, d_v]
+        return self._readouts(attention, linear[:, ends], x["g"][:, ends])
+
+    def _readouts(self, attention: Tensor, linear: Tensor, gate: Tensor) -> Tensor:
+        """[b, n, h, d_v] reads and their gate -> [b, n, h, 2, d_v]: per head the attention read minus
+        the linear one, and the linear one, each normed and gated as the layer's output is."""
+        y_attention, y_linear = (self._gated_norm(y, gate) for y in (attention, linear))
+        return torch.stack([y_attention - y_linear, y_linear], dim=-2)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, cache: Optional[MixerCache], modes: Modes,
-                reads: FrozenSet[Mode]) -> Optional[Tensor]:
-        """Causal softmax read over all earlier tokens (cached ones included) at the positions that
-        read attention: [b, s, h, d_v], or None when no token reads it. The cache stores every
-        token's key and value whatever its mode."""
+                reads: FrozenSet[Mode], document_ids: Optional[Tensor]) -> Optional[Tensor]:
+        """Causal softmax read over all earlier tokens (cached ones included) of the token's document
+        at the positions that read attention: [b, s, h, d_v], or None when no token reads it. The cache
+        stores every token's key and value whatever its mode."""
         offset = cache.seqlen if cache is not None else 0
         end = offset + q.shape[1]
         q, k = self._rotate(q, k, slice(offset, end), end)
@@ -387,10 +459,13 @@ class MultiMixer(HeadSplitModule):
             if cache.key is None:
                 return self._refuse_attention_without_kv_cache(reads)
             k, v = cache.append(k, v)
+            if offset:  # the cached keys of earlier documents (MixerCache.start_documents) are not read
+                new = document_ids if document_ids is not None else q.new_zeros(q.shape[:2], dtype=torch.long)
+                document_ids = cache.key_document_ids(new)  # [b, offset + s]
         if Mode.ATTENTION not in reads:
             return None
         read = None if isinstance(modes, Mode) or modes is None else mode_reads(modes)[1]  # [b, s]
-        return self.core_attention(q, k, v, read)
+        return self.core_attention(q, k, v, read, document_ids)
 
     def _refuse_attention_without_kv_cache(self, reads: FrozenSet[Mode]) -> None:
         if Mode.ATTENTION in reads:

@@ -43,8 +43,9 @@ class OryxLayer(MegatronModule):
         hidden_states: Tensor,
         modes: Optional[Tensor] = None,
         inference_cache: Optional[MixerCache] = None,
+        document_ids: Optional[Tensor] = None,
     ) -> Tensor:
-        out, bias = self.mixer(self.input_layernorm(hidden_states), modes, inference_cache)
+        out, bias = self.mixer(self.input_layernorm(hidden_states), modes, inference_cache, document_ids)
         hidden_states = hidden_states + self._dropout(out, bias)
         out, bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
         return hidden_states + self._dropout(out, bias)

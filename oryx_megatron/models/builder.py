@@ -15,6 +15,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from oryx_megatron.config import OryxConfig, cpu_friendly_defaults, swiglu_defaults
 from oryx_megatron.layers.gpt_attention import CausalSDPAttention
@@ -55,6 +56,8 @@ class ModelArgs:
     layernorm_epsilon: float = 1e-5
     transformer_impl: str = "local"  # or "transformer_engine"
     kernel_backend: str = "auto"  # "torch" | "cuda" | "auto"
+    router_hidden: Optional[int] = None  # the chunk router's width (layers/router.py); None: no router
+    router_chunk_size: int = 128  # tokens per router decision
 
 
 def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
@@ -82,7 +85,8 @@ def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
     if args.family == "transformer":
         return TransformerConfig(**common)
     oryx_fields = {"value_head_dim", "mixer_conv_kernel", "attention_query_conv",
-                   "shared_query", "kv_gate", "linear_chunk_size", "transformer_impl", "kernel_backend"}
+                   "shared_query", "kv_gate", "linear_chunk_size", "transformer_impl", "kernel_backend",
+                   "router_hidden", "router_chunk_size"}
     extra = {f.name: getattr(args, f.name) for f in fields(args) if f.name in oryx_fields}
     return OryxConfig(mixers=FAMILY_MIXERS[args.family], **common, **extra)
 
@@ -120,33 +124,43 @@ def build_model(
         vp_stage=vp_stage,
     )
     if args.family == "transformer":
-        return TransformerBaseline(config, _gpt_layer_spec(args.transformer_impl), **model_kwargs)
+        return TransformerBaseline(config, _gpt_block_spec(args.transformer_impl, config, vp_stage), **model_kwargs)
     return OryxModel(config, get_oryx_layer_spec(args.transformer_impl), **model_kwargs)
 
 
-def _gpt_layer_spec(transformer_impl: str):
+def _gpt_block_spec(transformer_impl: str, config: TransformerConfig, vp_stage: Optional[int]):
     if transformer_impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    # megatron's WrappedTorchNorm refuses sequence parallelism; ours supports it.
+    # megatron's WrappedTorchNorm refuses sequence parallelism and ignores params_dtype; ours does neither.
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     # SDPA (flash on CUDA) instead of an unfused softmax over a materialised s x s mask.
     spec.submodules.self_attention.submodules.core_attention = CausalSDPAttention
-    return spec
+    # the block's final norm too (megatron would take WrappedTorchNorm for a layer spec)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
 
 
 class TransformerBaseline(GPTModel):
     """megatron's GPTModel (RoPE, SwiGLU, RMSNorm) with OryxModel's call signature.
 
     ``modes`` is accepted and ignored: a Transformer reads every token with attention.
-    No attention mask is built: both specs' core attention is causal by its mask type.
+    No attention mask is built but for packed documents: both specs' core attention is causal by its
+    mask type.
     """
 
     def __init__(self, config, transformer_layer_spec, **kwargs):
         super().__init__(config, transformer_layer_spec, position_embedding_type="rope", **kwargs)
 
-    def forward(self, input_ids, modes=None, labels=None, inference_cache=None):
+    def forward(self, input_ids, modes=None, labels=None, inference_cache=None, document_ids=None):
+        """``document_ids`` [b, s] (packed documents): attention within each document, as megatron's
+        attention_mask [b, 1, s, s] (True: not read)."""
         if inference_cache is not None:
             raise NotImplementedError("TransformerBaseline has no inference cache yet")
-        return super().forward(input_ids, position_ids=None, attention_mask=None, labels=labels)
+        mask = None
+        if document_ids is not None:
+            s = document_ids.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+            mask = ~(causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+        return super().forward(input_ids, position_ids=None, attention_mask=mask, labels=labels)

@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from oryx_megatron.config import OryxConfig
 from oryx_megatron.layers.multi_mixer import MixerCache
+from oryx_megatron.layers.router import ChunkRouter
 
 
 def _build_layer(layer_spec: ModuleSpec, config: OryxConfig, layer_number: int):
@@ -67,26 +69,30 @@ class OryxBlock(MegatronModule):
         hidden_states: Tensor,
         modes: Optional[Tensor] = None,
         inference_cache: Optional[List[MixerCache]] = None,
+        document_ids: Optional[Tensor] = None,
     ) -> Tensor:
         recompute = self.config.recompute_granularity == "full" and self.training
         for i, layer in enumerate(self.layers):
             if inference_cache is not None:
-                hidden_states = layer(hidden_states, modes, inference_cache[i])
+                hidden_states = layer(hidden_states, modes, inference_cache[i], document_ids)
             elif recompute:  # keep only the layer's input; redo its forward in the backward
-                hidden_states = tensor_parallel.checkpoint(layer, False, hidden_states, modes)
+                hidden_states = tensor_parallel.checkpoint(layer, False, hidden_states, modes, None, document_ids)
             else:
-                hidden_states = layer(hidden_states, modes)
+                hidden_states = layer(hidden_states, modes, None, document_ids)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Layers are keyed by their global number, so checkpoints reshard across PP stages."""
+        """Layers are keyed in the checkpoint by their global number, so checkpoints reshard across PP
+        stages; the dict keeps the module's own (local) names, which ``load_state_dict`` expects."""
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         sharded = {}
-        for layer in self.layers:
-            layer_prefix = f"{prefix}layers.{layer.layer_number - 1}."
-            sharded.update(layer.sharded_state_dict(layer_prefix, sharded_offsets, metadata))
+        for i, layer in enumerate(self.layers):
+            local_prefix = f"{prefix}layers.{i}."
+            layer_sharded = layer.sharded_state_dict(local_prefix, sharded_offsets, metadata)
+            replace_prefix_for_sharding(layer_sharded, local_prefix, f"{prefix}layers.{layer.layer_number - 1}.")
+            sharded.update(layer_sharded)
         if self.final_layernorm is not None:
             sharded.update(
                 sharded_state_dict_default(
@@ -138,6 +144,7 @@ class OryxModel(LanguageModule):
                 skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
                 tp_group=self.tp_group,
             )
+        self.router = ChunkRouter(config) if pre_process and config.router_hidden else None
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -152,13 +159,15 @@ class OryxModel(LanguageModule):
         labels: Optional[Tensor] = None,
         inference_cache: Optional[List[MixerCache]] = None,
         last_token_logits: bool = False,
+        document_ids: Optional[Tensor] = None,
     ) -> Tensor:
-        """input_ids, modes, labels: [b, s]. Returns the loss [b, s] given labels, else logits
-        [b, s, vocab] (vocab-parallel unless parallel_output=False; [b, 1, vocab] of the last position
-        only with ``last_token_logits``, as a prefill needs); a middle pipeline stage returns hidden
-        states [s, b, hidden]."""
+        """input_ids, modes, labels, document_ids: [b, s]. Returns the loss [b, s] given labels, else
+        logits [b, s, vocab] (vocab-parallel unless parallel_output=False; [b, 1, vocab] of the last
+        position only with ``last_token_logits``, as a prefill needs); a middle pipeline stage returns
+        hidden states [s, b, hidden]. ``document_ids`` (packed documents, data.reset_at_eod): each
+        document is read as if alone (``MultiMixer.forward``)."""
         hidden = self.embedding(input_ids, position_ids=None) if self.pre_process else self.input_tensor
-        hidden = self.decoder(hidden, modes, inference_cache)
+        hidden = self.decoder(hidden, modes, inference_cache, document_ids)
         if not self.post_process:
             return hidden
         if last_token_logits and labels is None and not self.config.sequence_parallel:
@@ -169,10 +178,26 @@ class OryxModel(LanguageModule):
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
 
+    def route(self, input_ids: Tensor, chunk_size: int, document_ids: Optional[Tensor] = None) -> Tensor:
+        """The router's logits [b, 1 + s // chunk_size] that chunk c (starting at c * chunk_size, at
+        or before s) reads attention, from the first layer's reads at each chunk end (layers/router.py):
+        one pass over the embedding and the first layer's mixer, before any mode is chosen."""
+        if self.router is None:
+            raise ValueError("this model has no router (model.router_hidden is null)")
+        first = self.decoder.layers[0]
+        hidden = first.input_layernorm(self.embedding(input_ids, position_ids=None))  # [s, b, hidden]
+        return self.router(first.mixer.chunk_readouts(hidden, chunk_size, document_ids))
+
     def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
-                                 capacity: Optional[int] = None, kv_cache: bool = True) -> List[MixerCache]:
-        """One empty cache per layer of this stage (``MultiMixer.allocate_inference_cache``)."""
-        return [
+                                 capacity: Optional[int] = None, kv_cache: bool = True,
+                                 readouts: bool = False) -> List[MixerCache]:
+        """One empty cache per layer of this stage (``MultiMixer.allocate_inference_cache``); with
+        ``readouts`` the first layer's decode steps also write the router's features of their token."""
+        caches = [
             layer.mixer.allocate_inference_cache(batch_size, dtype, device, capacity, kv_cache)
             for layer in self.decoder.layers
         ]
+        if readouts:
+            heads = self.decoder.layers[0].mixer.num_heads
+            caches[0].readouts = self.router.allocate_readouts(batch_size, dtype, device, heads)
+        return caches

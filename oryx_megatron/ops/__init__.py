@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from . import cuda, selection
-from .attention import block_sparse_causal_attention, causal_attention, decode_attention
+from .attention import attention_at, block_sparse_causal_attention, causal_attention, decode_attention
 from .conv import causal_conv1d, causal_conv1d_step
 from .gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
 from .memo import once_per_tensor
@@ -76,26 +76,51 @@ def get_kernels(backend: str = "auto", env: Optional[selection.KernelEnvironment
 
 @functools.lru_cache(maxsize=None)
 def _select(backend: str, env: selection.KernelEnvironment, probe) -> Kernels:
-    """Per op the CUDA kernel, or the torch op and why (once per process and environment)."""
-    chosen, refused = {}, {}  # op -> function; op -> why not its CUDA kernel
+    """Per op the CUDA kernel; where only its backward is refused (or fails its check), the kernel for
+    calls that need no gradient and the torch op for the others; else the torch op. Once per
+    process and environment, with the reason logged."""
+    chosen, names, refused = {}, {}, {}  # op -> function; op -> implementation name; op -> (why not, backward only)
     for op in OPS:
+        implementation = selection.IMPLEMENTATIONS[op][0]
         reason = selection.refusal(op, env) or probe(op)
-        if reason:
-            chosen[op], refused[op] = TORCH_OPS[op], reason
+        if reason is None:
+            chosen[op], names[op] = getattr(cuda, op), implementation
+        elif selection.refusal(op, env, backward=False) is None and probe(op, backward=False) is None:
+            chosen[op], names[op] = _without_grad(getattr(cuda, op), TORCH_OPS[op]), f"{implementation} without grad"
+            refused[op] = (reason, True)
         else:
-            chosen[op] = getattr(cuda, op)
+            chosen[op], names[op], refused[op] = TORCH_OPS[op], "torch", (reason, False)
     if backend == "cuda" and refused:
-        raise RuntimeError("kernel backend 'cuda' is unavailable here: "
-                           + "; ".join(f"{op}: {why}" for op, why in refused.items()))
-    for op, why in refused.items():
-        if env.cuda:  # on a CPU machine the torch ops are the plan, not a fallback
+        raise RuntimeError("kernel backend 'cuda' is unavailable here: " + "; ".join(
+            f"{op}{' (backward)' if backward_only else ''}: {why}" for op, (why, backward_only) in refused.items()))
+    for op, (why, backward_only) in refused.items():
+        if not env.cuda:  # on a CPU machine the torch ops are the plan, not a fallback
+            continue
+        if backward_only:
+            logger.warning("%s: %s runs where no gradient is needed, the torch op where one is (training): %s",
+                           op, names[op], why)
+        else:
             logger.warning("%s: the torch op runs instead of the CUDA kernel: %s", op, why)
-    names = {op: "torch" if op in refused else selection.IMPLEMENTATIONS[op][0] for op in OPS}
     return Kernels(**chosen, names=names)
 
 
-def _probe_on_cuda(op: str) -> Optional[str]:
-    return selection.probe(op, getattr(cuda, op), TORCH_OPS[op]) if torch.cuda.is_available() else None
+def _without_grad(kernel: Callable, reference: Callable) -> Callable:
+    """``kernel`` for calls that need no gradient (inference, evaluation), ``reference`` (the torch op,
+    with its autograd) for the others."""
+
+    @functools.wraps(kernel)
+    def dispatch(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return (reference if needs_grad else kernel)(*args, **kwargs)
+
+    return dispatch
+
+
+def _probe_on_cuda(op: str, backward: bool = True) -> Optional[str]:
+    if not torch.cuda.is_available():
+        return None
+    return selection.probe(op, getattr(cuda, op), TORCH_OPS[op], backward=backward)
 
 
 __all__ = [
@@ -113,6 +138,7 @@ __all__ = [
     "block_sparse_causal_attention",
     "gated_rms_norm",
     "decode_attention",
+    "attention_at",
     "once_per_tensor",
     "apply_rotary",
     "rotary_cos_sin",

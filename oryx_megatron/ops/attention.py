@@ -9,13 +9,16 @@ import torch.nn.functional as F
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention where the queries are the last sq positions of the key sequence.
 
     Args:
         q: [b, sq, h, d_k]; k: [b, sk, h, d_k]; v: [b, sk, h, d_v] with sk >= sq.
         scale: default d_k ** -0.5.
+        document_ids: [b, sk] int (the keys'; the queries' are the last sq) or None: a query sees
+            only the keys of its own document (packed documents).
     Returns:
         o [b, sq, h, d_v]; query i sees keys j <= sk - sq + i (bottom-right aligned mask).
     """
@@ -23,18 +26,20 @@ def causal_attention(
     if sq > sk:
         raise ValueError(f"causal_attention needs sk >= sq, got sq={sq}, sk={sk}")
     mask = None  # sq == sk: is_causal; sq == 1: the last query sees every key
-    if 1 < sq < sk:
+    if 1 < sq < sk or document_ids is not None:
         mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)  # [sq, sk]
+    if document_ids is not None:
+        mask = (mask & (document_ids[:, -sq:, None] == document_ids[:, None, :]))[:, None]  # [b, 1, sq, sk]
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [b, h, s, d]
-        attn_mask=mask, is_causal=sq == sk, scale=scale,
+        attn_mask=mask, is_causal=mask is None and sq == sk, scale=scale,
     )  # [b, h, sq, d_v]
     return o.transpose(1, 2)
 
 
 def block_sparse_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, read: torch.Tensor, block_size: int = 128,
-    scale: Optional[float] = None,
+    scale: Optional[float] = None, document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention computed only for the query blocks that hold a reading position.
 
@@ -43,6 +48,7 @@ def block_sparse_causal_attention(
         read: [b, sq] bool, the positions whose output is wanted.
         block_size: query positions per block; a block of a sequence is computed when any of its
             positions reads, against every key up to the block's end.
+        document_ids: [b, sk] int or None, as ``causal_attention``'s.
     Returns:
         o [b, sq, h, d_v]: equal to ``causal_attention`` at every reading position, zero in blocks
         where no position reads (other positions of a computed block hold their attention output).
@@ -52,28 +58,55 @@ def block_sparse_causal_attention(
     n_blocks = -(-sq // block_size)
     block_reads = F.pad(read, (0, n_blocks * block_size - sq)).view(b, n_blocks, block_size).any(-1)  # [b, n]
     if bool(block_reads.all()):
-        return causal_attention(q, k, v, scale)
+        return causal_attention(q, k, v, scale, document_ids)
     o = q.new_zeros(*q.shape[:3], v.shape[-1])
     for i, rows in enumerate(block_reads.t().tolist()):  # query block i of every sequence that reads in it
         lo, hi = i * block_size, min((i + 1) * block_size, sq)
         seqs = [n for n, reads in enumerate(rows) if reads]
         if seqs:
             idx = slice(None) if len(seqs) == b else torch.tensor(seqs, device=q.device)
-            o[idx, lo:hi] = causal_attention(q[idx, lo:hi], k[idx, : offset + hi], v[idx, : offset + hi], scale)
+            docs = None if document_ids is None else document_ids[idx, : offset + hi]
+            o[idx, lo:hi] = causal_attention(q[idx, lo:hi], k[idx, : offset + hi], v[idx, : offset + hi], scale, docs)
     return o
 
 
-def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor,
+                     document_start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One query per sequence at ``position`` over a preallocated KV cache, without a host-side length.
 
     Args:
         q: [b, 1, h, d_k]; key: [b, capacity, h, d_k]; value: [b, capacity, h, d_v];
         position: 0-dim long tensor, the query's position (cache entries 0..position are read).
+        document_start: [b] long or None: the first position of each query's document (earlier
+            entries, other documents', are not read).
     Returns:
         o [b, 1, h, d_v].
     """
-    visible = (torch.arange(key.shape[1], device=key.device) <= position)[None]  # [1, capacity]
+    positions = torch.arange(key.shape[1], device=key.device)
+    visible = (positions <= position)[None]  # [1, capacity]
+    if document_start is not None:
+        visible = (visible & (positions >= document_start[:, None]))[:, None, None]  # [b, 1, 1, capacity]
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=visible,
     )  # [b, h, 1, d_v]
+    return o.transpose(1, 2)
+
+
+def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 document_ids: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention for queries at a few positions of the sequence (the router's chunk ends).
+
+    Args:
+        q: [b, n, h, d_k], the queries of the tokens at ``positions`` [n] (long, increasing);
+        k: [b, s, h, d_k]; v: [b, s, h, d_v]; document_ids: [b, s] int or None (a query reads its own
+        document only).
+    Returns:
+        o [b, n, h, d_v]: query i reads the keys up to positions[i].
+    """
+    visible = torch.arange(k.shape[1], device=k.device)[None] <= positions[:, None]  # [n, s]
+    if document_ids is not None:
+        visible = (visible & (document_ids[:, positions, None] == document_ids[:, None, :]))[:, None]  # [b, 1, n, s]
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible, scale=scale,
+    )  # [b, h, n, d_v]
     return o.transpose(1, 2)

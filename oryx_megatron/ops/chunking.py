@@ -30,3 +30,18 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(t, t, dtype=torch.bool, device=a.device).tril()
     terms = a[..., :, None].expand(*a.shape, t).masked_fill(~causal.tril(-1), 0)  # [i, j] = a[i] for j < i
     return terms.cumsum(-2).masked_fill(~causal, -torch.inf)
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] document index of each token -> [b, s] bool, True where a new document starts (t > 0; the
+    first token continues the initial state, if any)."""
+    return F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0))
+
+
+def reset_at_document_starts(log_decay: torch.Tensor, document_ids) -> torch.Tensor:
+    """Log-decays [b, s, h] with -inf at each document start: the state entering the document decays
+    to exactly zero (exp(-inf) = 0), so no term crosses a boundary, in the chunked forms as in the
+    recurrence. ``document_ids`` None: unchanged."""
+    if document_ids is None:
+        return log_decay
+    return log_decay.masked_fill(document_starts(document_ids)[..., None], -torch.inf)

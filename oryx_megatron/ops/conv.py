@@ -25,16 +25,20 @@ def causal_conv1d(
     bias: Optional[torch.Tensor] = None,
     initial_state: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
+    document_ids: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv over a sequence.
 
     Args:
         x: [b, s, c]; weight: [c, w]; bias: [c] or None;
         initial_state: [b, c, w - 1] (the previous inputs) or None (zeros); activation: "silu" or None.
+        document_ids: [b, s] int or None: a token sees only inputs of its own document (packed
+            documents; the initial state belongs to the first one).
     Returns:
         y [b, s, c] (contiguous: attention kernels need a unit stride in the head dim) and the final
-        state [b, c, w - 1] (the last w - 1 inputs of concat(state, x)), both in x's dtype; the
-        sum runs in the promoted dtype of x and weight.
+        state [b, c, w - 1] (the last w - 1 inputs of concat(state, x); with document_ids, zeros for
+        those outside the last token's document), both in x's dtype; the sum runs in the promoted
+        dtype of x and weight.
     """
     b, s, c = x.shape
     w = weight.shape[1]
@@ -43,9 +47,32 @@ def causal_conv1d(
         initial_state = x.new_zeros(b, c, w - 1)
     xpad = torch.cat([initial_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [b, c, w - 1 + s]
     bias = None if bias is None else bias.to(dtype)
-    y = F.conv1d(xpad.to(dtype), weight.to(dtype)[:, None], bias, groups=c)  # [b, c, s]
+    if document_ids is None:
+        y = F.conv1d(xpad.to(dtype), weight.to(dtype)[:, None], bias, groups=c)  # [b, c, s]
+    else:
+        docs = _padded_documents(document_ids, w)  # [b, 1, w - 1 + s]
+        y = sum(weight.to(dtype)[:, j, None] * (xpad[:, :, j : j + s] * (docs[..., j : j + s] == docs[..., w - 1:]))
+                for j in range(w))  # [b, c, s]: tap j reads the input w - 1 - j positions back
+        y = y if bias is None else y + bias[:, None]
     y = _activate(y, activation).transpose(1, 2).contiguous().to(x.dtype)
-    return y, xpad[:, :, s:].contiguous()
+    return y, last_inputs(xpad, w, document_ids)
+
+
+def last_inputs(xpad: torch.Tensor, w: int, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The conv state after a sequence: the last w - 1 inputs of xpad [b, c, w - 1 + s] (the state
+    before it, then its inputs), with document_ids [b, s] zeros for those outside the last token's
+    document: [b, c, w - 1], contiguous."""
+    keep = xpad.shape[-1] - (w - 1)  # the first position kept (a slice from -(w - 1) breaks at w = 1)
+    state = xpad[:, :, keep:]
+    if document_ids is not None:
+        docs = _padded_documents(document_ids, w)[..., keep:]  # [b, 1, w - 1]
+        state = state * (docs == docs[..., -1:])
+    return state.contiguous()
+
+
+def _padded_documents(document_ids: torch.Tensor, w: int) -> torch.Tensor:
+    """[b, s] -> [b, 1, w - 1 + s]: the state's w - 1 inputs belong to the first document."""
+    return F.pad(document_ids[:, None], (w - 1, 0), mode="replicate")
 
 
 def causal_conv1d_step(

@@ -8,10 +8,12 @@ run here is decided by ``selection``. Inputs a kernel does not take (CPU tensors
 numbers never depend on where a tensor happens to live.
 """
 
+import dataclasses
 import functools
 from typing import Tuple
 
 import torch
+import torch.nn.functional as F
 
 from . import attention, conv, gated_delta_rule, norm, ssd
 from .memo import once_per_tensor
@@ -25,29 +27,34 @@ def _kernel_takes(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _KERNEL_DTY
     return x.is_cuda and x.dtype in dtypes
 
 
-def causal_conv1d(x, weight, bias=None, initial_state=None, activation="silu"):
-    """causal-conv1d's `causal_conv1d_fn`; shapes as `conv.causal_conv1d` (x [b, s, c])."""
-    if not _kernel_takes(x):
-        return conv.causal_conv1d(x, weight, bias, initial_state, activation)
+def _conv_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """causal-conv1d's channel-last kernels take widths 2-4 and channel counts divisible by 8."""
+    return _kernel_takes(x) and 2 <= weight.shape[1] <= 4 and x.shape[-1] % 8 == 0
+
+
+def causal_conv1d(x, weight, bias=None, initial_state=None, activation="silu", document_ids=None):
+    """causal-conv1d's `causal_conv1d_fn` (``seq_idx`` for packed documents, which it takes without
+    states: with both, the torch op runs); shapes as `conv.causal_conv1d` (x [b, s, c])."""
+    if not _conv_kernel_takes(x, weight) or (document_ids is not None and initial_state is not None):
+        return conv.causal_conv1d(x, weight, bias, initial_state, activation, document_ids)
     from causal_conv1d import causal_conv1d_fn
 
-    # states in and out need channel-last [b, c, s] inputs (stride(1) == 1): views of [b, s, c]
+    x_cl = x.contiguous().transpose(1, 2)  # [b, c, s], channel-last: states need stride(1) == 1
+    if document_ids is not None:
+        y = causal_conv1d_fn(x_cl, weight, bias, seq_idx=document_ids.to(torch.int32), activation=activation)
+        return y.transpose(1, 2), conv.last_inputs(F.pad(x_cl, (weight.shape[1] - 1, 0)), weight.shape[1],
+                                                   document_ids)
     if initial_state is not None:
         initial_state = initial_state.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)  # [b, c, w-1]
     y, final_state = causal_conv1d_fn(
-        x.contiguous().transpose(1, 2),  # [b, c, s]
-        weight,
-        bias,
-        initial_states=initial_state,
-        return_final_states=True,
-        activation=activation,
+        x_cl, weight, bias, initial_states=initial_state, return_final_states=True, activation=activation,
     )  # y [b, c, s], final_state [b, c, w - 1]
     return y.transpose(1, 2), final_state
 
 
 def causal_conv1d_step(x, state, weight, bias=None, activation="silu"):
     """causal-conv1d's `causal_conv1d_update`; shapes as `conv.causal_conv1d_step` (x [b, c])."""
-    if not _kernel_takes(x):
+    if not _conv_kernel_takes(x, weight):
         return conv.causal_conv1d_step(x, state, weight, bias, activation)
     from causal_conv1d import causal_conv1d_update
 
@@ -57,21 +64,58 @@ def causal_conv1d_step(x, state, weight, bias=None, activation="silu"):
 
 
 def chunk_gated_delta_rule(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64, document_ids=None
 ):
-    """fla's `chunk_gated_delta_rule` (fp16/bf16 only; it uses its own chunk size of 64);
-    shapes as `gated_delta_rule.chunk_gated_delta_rule`."""
+    """fla's `chunk_gated_delta_rule` (fp16/bf16 only; it uses its own chunk size of 64; packed
+    documents as fla's variable-length batch of one, ``cu_seqlens``); shapes as
+    `gated_delta_rule.chunk_gated_delta_rule`."""
     if not _kernel_takes(q, (torch.float16, torch.bfloat16)):
         return gated_delta_rule.chunk_gated_delta_rule(
-            q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size
+            q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, document_ids
         )
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
+    b, s = q.shape[:2]
+    varlen = {}
+    if document_ids is not None:
+        docs = documents(document_ids)
+        q, k, v, g, beta = (t.flatten(0, 1)[None] for t in (q, k, v, g, beta))  # [1, b * s, ...]
+        if initial_state is not None:  # the first document of each sample continues it, the others start at 0
+            initial_state = initial_state.new_zeros(docs.count, *initial_state.shape[1:]).index_copy(
+                0, docs.first, initial_state)
+        varlen = dict(cu_seqlens=docs.cu_seqlens, cu_seqlens_cpu=docs.cu_seqlens_cpu)
     o, final_state = fla_chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state,
-    )  # o [b, s, h, d_v], final_state [b, h, d_k, d_v] fp32
+        initial_state=initial_state, output_final_state=output_final_state, **varlen,
+    )  # o [b, s, h, d_v] (or [1, b * s, ...]), final_state [b (or documents), h, d_k, d_v] fp32
+    if document_ids is not None:
+        o = o.view(b, s, *o.shape[2:])
+        final_state = None if final_state is None else final_state[docs.last]  # each sample's last document
     return o.to(v.dtype), final_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """The packed documents of a batch, as fla's variable-length kernels take them."""
+
+    cu_seqlens: torch.Tensor  # [count + 1] long: starts of the documents in the flattened batch, then b * s
+    cu_seqlens_cpu: torch.Tensor  # the same on the host (fla sizes its grid from it: no sync of its own)
+    first: torch.Tensor  # [b] long: the index of each sample's first document
+    last: torch.Tensor  # [b] long: ... and of its last
+    count: int
+
+
+@once_per_tensor
+def documents(document_ids: torch.Tensor) -> Documents:
+    """From document_ids [b, s] (a document starts where the id changes, and at every sample's start):
+    one host sync, once per tensor (every layer of a forward shares it)."""
+    b, s = document_ids.shape
+    starts = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True).flatten()  # [b * s]
+    positions = starts.nonzero().flatten()
+    cu_seqlens = F.pad(positions, (0, 1), value=b * s)
+    per_sample = starts.view(b, s).sum(-1)
+    last = per_sample.cumsum(0) - 1
+    return Documents(cu_seqlens, cu_seqlens.cpu(), last - per_sample + 1, last, len(positions))
 
 
 def gated_delta_rule_step(q, k, v, g, beta, state, scale=None):
@@ -88,17 +132,20 @@ def gated_delta_rule_step(q, k, v, g, beta, state, scale=None):
     return o[:, 0].to(v.dtype), new_state
 
 
-def ssd_chunk_scan(x, dt, A, B, C, D=None, initial_state=None, output_final_state=True, chunk_size=64):
-    """mamba-ssm's `mamba_chunk_scan_combined` with ngroups = nheads; shapes as
-    `ssd.ssd_chunk_scan` (states [b, h, n, p]; mamba's are [b, h, p, n])."""
+def ssd_chunk_scan(x, dt, A, B, C, D=None, initial_state=None, output_final_state=True, chunk_size=64,
+                   document_ids=None):
+    """mamba-ssm's `mamba_chunk_scan_combined` with ngroups = nheads (packed documents as its
+    ``seq_idx``); shapes as `ssd.ssd_chunk_scan` (states [b, h, n, p]; mamba's are [b, h, p, n])."""
     if not _kernel_takes(x):
-        return ssd.ssd_chunk_scan(x, dt, A, B, C, D, initial_state, output_final_state, chunk_size)
+        return ssd.ssd_chunk_scan(x, dt, A, B, C, D, initial_state, output_final_state, chunk_size, document_ids)
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     if initial_state is not None:
         initial_state = initial_state.transpose(-1, -2).contiguous()  # [b, h, p, n]
+    seq_idx = None if document_ids is None else document_ids.to(torch.int32)
     out = mamba_chunk_scan_combined(
-        x, dt, A, B, C, chunk_size, D=D, initial_states=initial_state, return_final_states=output_final_state
+        x, dt, A, B, C, chunk_size, D=D, initial_states=initial_state, seq_idx=seq_idx,
+        return_final_states=output_final_state,
     )
     if not output_final_state:
         return out, None
@@ -122,46 +169,98 @@ def ssd_step(x, dt, A, B, C, state, D=None):
         A[:, None, None].expand(-1, p, n),  # [h, p, n]
         B,  # [b, h, n]  (ngroups = nheads)
         C,
-        D=None if D is None else D[:, None].expand(-1, p),  # [h, p]
+        # [h, p]; zeros for None: mamba-ssm 2.3.2 reads D.stride() even when it is None
+        D=(dt.new_zeros(h) if D is None else D)[:, None].expand(-1, p),
         dt_bias=dt.new_zeros(h, p),  # mamba-ssm 2.3.2 reads dt_bias.stride() even when it is None
         dt_softplus=False,
     )  # [b, h, p]
     return y, new_state.transpose(-1, -2)
 
 
-def block_sparse_causal_attention(q, k, v, read, block_size=128, scale=None):
-    """torch's FlexAttention (compiled) with a block mask from ``read``: query blocks with no reading
-    position are skipped by the kernel; shapes as `attention.block_sparse_causal_attention`."""
+# Sparse block of the FlexAttention BlockMask: without max-autotune inductor tries one tile config per GPU
+# and refuses sparse blocks that are not multiples of its tiles; those reach 128 (sm90 bf16, d 64: forward
+# BLOCK_M = BLOCK_N = 128, backward BLOCK_N1 = BLOCK_M2 = 128), so blocks are multiples of 128.
+FLEX_BLOCK_SIZE = 128
+
+
+def block_sparse_causal_attention(q, k, v, read, block_size=128, scale=None, document_ids=None):
+    """torch's FlexAttention (compiled once for every length: dynamic shapes) with a block mask from
+    ``read`` (and ``document_ids``): query blocks (``block_size`` rounded up to a multiple of
+    FLEX_BLOCK_SIZE) with no reading position are skipped by the kernel, as are the key blocks of
+    other documents; shapes as `attention.block_sparse_causal_attention`."""
     if not _kernel_takes(q):
-        return attention.block_sparse_causal_attention(q, k, v, read, block_size, scale)
+        return attention.block_sparse_causal_attention(q, k, v, read, block_size, scale, document_ids)
+    block = -(-block_size // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
     o = _compiled_flex_attention()(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [b, h, s, d]
-        block_mask=read_block_mask(read, k.shape[1], block_size), scale=scale,
+        block_mask=read_block_mask(read, k.shape[1], block, document_ids), scale=scale,
     )  # [b, h, sq, d_v]
     return o.transpose(1, 2)
 
 
 @once_per_tensor
-def read_block_mask(read, kv_len: int, block_size: int):
-    """FlexAttention's BlockMask: query i (the last read.shape[1] of kv_len positions) sees keys up to
-    its own position where read[b, i], nothing elsewhere. Built once per ``read`` tensor (the layers
-    of a forward share one)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def read_block_mask(read, kv_len: int, block_size: int, document_ids=None):
+    """FlexAttention's BlockMask of the block-sparse read, as `attention.block_sparse_causal_attention`
+    computes it: query block i (of the last read.shape[1] of kv_len positions) is computed where one of
+    its positions reads, causally against every key up to each query's position (kv blocks wholly
+    before its first query are full blocks, the diagonal ones apply the causal mask) and, with
+    document_ids [b, kv_len], of its own document (a kv block is full only within one document, and
+    skipped when it ends before the query block's first document starts); other blocks are skipped
+    (zeros). Built from [b, n_q, n_kv] block tables (no [b, sq, kv_len] mask is materialised), once per
+    ``read`` tensor (the layers of a forward share one)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     b, sq = read.shape
-    offset = kv_len - sq
+    n_q, n_kv = -(-sq // block_size), -(-kv_len // block_size)
+    reads = F.pad(read, (0, n_q * block_size - sq)).view(b, n_q, block_size).any(-1)[..., None]  # [b, n_q, 1]
+    first = kv_len - sq + torch.arange(n_q, device=read.device)[:, None] * block_size  # [n_q, 1] first query
+    kv_start = torch.arange(n_kv, device=read.device) * block_size  # [n_kv]
+    full = reads & (kv_start + block_size - 1 <= first)  # [b, n_q, n_kv]: every key before every query
+    partial = reads & (kv_start < first + block_size) & ~full  # some key before some query
+    offset = torch.tensor(kv_len - sq, device=read.device)  # a tensor: a new offset does not recompile
 
-    def reads_causally(batch, head, q_idx, kv_idx):
-        return (kv_idx <= q_idx + offset) & read[batch, q_idx]
+    def causal(batch, head, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
 
-    return create_block_mask(reads_causally, b, None, sq, kv_len, device=read.device, BLOCK_SIZE=block_size)
+    def causal_within_documents(batch, head, q_idx, kv_idx):
+        return (kv_idx <= q_idx + offset) & (document_ids[batch, kv_idx] == document_ids[batch, q_idx + offset])
+
+    mask_mod = causal
+    if document_ids is not None:
+        low, high = (t[:, None] for t in _block_documents(document_ids, block_size))  # [b, 1, n_kv] each
+        q_low, q_high = (t[..., None] for t in _block_documents(document_ids[:, kv_len - sq:], block_size))
+        same = (q_low == q_high) & (low == high) & (low == q_low)  # [b, n_q, n_kv]: all in one document
+        overlap = high >= q_low  # the kv block reaches the query block's first document
+        partial = (partial | (full & ~same)) & overlap
+        full, mask_mod = full & same, causal_within_documents
+
+    return BlockMask.from_kv_blocks(*_block_lists(partial), *_block_lists(full), BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=(sq, kv_len))
+
+
+def _block_documents(document_ids: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The first and last document of each block of document_ids [b, s] (ids never decrease along a
+    sample): [b, n] each."""
+    b, s = document_ids.shape
+    n = -(-s // block_size)
+    padded = F.pad(document_ids[:, None], (0, n * block_size - s), mode="replicate")[:, 0]  # [b, n * block]
+    blocks = padded.view(b, n, block_size)
+    return blocks[..., 0], blocks[..., -1]
+
+
+def _block_lists(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[b, n_q, n_kv] bool -> FlexAttention's (counts [b, 1, n_q], kv block indices [b, 1, n_q, n_kv],
+    the listed blocks first and in order)."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None], indices[:, None]
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def gated_rms_norm(y, gate, weight, eps=1e-5):

@@ -12,20 +12,22 @@ T = TypeVar("T")
 
 
 def once_per_tensor(fn: Callable[..., T]) -> Callable[..., T]:
-    """Memoise ``fn(tensor, *args)`` on the last call: reused while that tensor is alive, unchanged
-    since (its version counter) and the other arguments are equal. Inference tensors keep no version
-    counter and are not memoised."""
-    last = []  # [(weakref to the tensor, (version, args), result)]
+    """Memoise ``fn(tensor, *args)`` on the last call: reused while that tensor (and every tensor among
+    ``args``, compared by identity) is alive and unchanged since (its version counter) and the other
+    arguments are equal. Inference tensors keep no version counter and are not memoised."""
+    last = []  # [(weakrefs to the tensors, (their versions, the other arguments), result)]
 
     @functools.wraps(fn)
     def memoised(tensor: Tensor, *args) -> T:
-        if tensor.is_inference():
+        tensors = (tensor, *(a for a in args if isinstance(a, Tensor)))
+        if any(t.is_inference() for t in tensors):
             return fn(tensor, *args)
-        key = (tensor._version, args)
-        if last and last[0][0]() is tensor and last[0][1] == key:
+        key = (tuple(t._version for t in tensors), tuple(a for a in args if not isinstance(a, Tensor)))
+        if last and len(last[0][0]) == len(tensors) and all(r() is t for r, t in zip(last[0][0], tensors)) \
+                and last[0][1] == key:
             return last[0][2]
         result = fn(tensor, *args)
-        last[:] = [(weakref.ref(tensor), key, result)]
+        last[:] = [(tuple(weakref.ref(t) for t in tensors), key, result)]
         return result
 
     return memoised

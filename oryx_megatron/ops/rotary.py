@@ -22,13 +22,17 @@ def rotary_cos_sin(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-@functools.lru_cache(maxsize=16)
 def rotary_table(
     length: int, dim: int, base: float, device: torch.device, dtype: torch.dtype
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [n, dim] of positions 0 .. n - 1, n the power of two >= length: computed once per
-    (n, dim, base, device, dtype) and shared by every layer and call that index it."""
-    n = 1 << max(length - 1, 0).bit_length()
+    """cos, sin [n, dim] of positions 0 .. n - 1, n the power of two >= length: one table per
+    (n, dim, base, device, dtype), shared by every layer and call that index it and kept for the
+    life of the process (a captured CUDA graph reads it by address; powers of two bound the count)."""
+    return _power_of_two_table(1 << max(length - 1, 0).bit_length(), dim, base, device, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _power_of_two_table(n: int, dim: int, base: float, device: torch.device, dtype: torch.dtype):
     with torch.inference_mode(False), torch.no_grad():  # usable by autograd after an inference-mode first call
         return rotary_cos_sin(torch.arange(n, device=device), dim, base, dtype)
 

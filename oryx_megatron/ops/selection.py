@@ -9,6 +9,7 @@ kernel once on the GPU and compares it with the torch op.
 import functools
 import importlib
 import importlib.metadata
+import os
 import shutil
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
@@ -63,10 +64,8 @@ class KernelEnvironment:
         if not torch.cuda.is_available():
             return cls(cuda=False)
         versions = tuple((dist, v) for dist, v in ((d, _installed_version(d)) for d in DISTRIBUTIONS) if v)
-        from torch._dynamo import config as dynamo_config
-
         return cls(True, torch.cuda.get_device_capability(), versions, shutil.which("nvcc") is not None,
-                   compile=not dynamo_config.disable)
+                   compile=compile_enabled())
 
     def version(self, dist: str) -> Optional[str]:
         """The installed version of a distribution, or None. fla ships as fla-core from 0.6 on and
@@ -75,6 +74,14 @@ class KernelEnvironment:
         if dist == "fla-core" and dist not in found:
             return found.get("flash-linear-attention")
         return found.get(dist)
+
+
+def compile_enabled() -> bool:
+    """Whether torch.compile compiles: torch reads $TORCHDYNAMO_DISABLE when ``torch.compile`` is called
+    (returning the function uncompiled), and $TORCH_COMPILE_DISABLE into ``torch._dynamo.config.disable``."""
+    from torch._dynamo import config as dynamo_config
+
+    return not (dynamo_config.disable or os.environ.get("TORCHDYNAMO_DISABLE", "") == "1")
 
 
 def _installed_version(dist: str) -> Optional[str]:
@@ -112,15 +119,17 @@ def _flex_without_compile(env: KernelEnvironment) -> Optional[str]:
     return "torch.compile is disabled (TORCHDYNAMO_DISABLE=1), so FlexAttention would not skip any block: unset it"
 
 
-# op -> conditions under which its kernel refuses or mis-computes (each: env -> reason or None)
-KNOWN_ISSUES: Dict[str, Tuple[Callable[[KernelEnvironment], Optional[str]], ...]] = {
-    "chunk_gated_delta_rule": (_fla_hopper_backward,),
-    "block_sparse_causal_attention": (_flex_without_compile,),
+# op -> conditions under which its kernel refuses or mis-computes: (env -> reason or None, whether
+# only its backward is affected: then the kernel still runs where no gradient is needed)
+KNOWN_ISSUES: Dict[str, Tuple[Tuple[Callable[[KernelEnvironment], Optional[str]], bool], ...]] = {
+    "chunk_gated_delta_rule": ((_fla_hopper_backward, True),),
+    "block_sparse_causal_attention": ((_flex_without_compile, False),),
 }
 
 
-def refusal(op: str, env: KernelEnvironment) -> Optional[str]:
-    """Why the CUDA kernel of ``op`` must not run in ``env`` (None: it may, subject to ``probe``)."""
+def refusal(op: str, env: KernelEnvironment, backward: bool = True) -> Optional[str]:
+    """Why the CUDA kernel of ``op`` must not run in ``env`` (None: it may, subject to ``probe``);
+    ``backward=False``: why it must not run even where no gradient is needed (inference)."""
     if not env.cuda:
         return "CUDA is not available"
     _, dist, minimum = IMPLEMENTATIONS[op]
@@ -130,8 +139,8 @@ def refusal(op: str, env: KernelEnvironment) -> Optional[str]:
             return f"{dist} is not installed (pip install '{dist}>={minimum}')"
         if _version_tuple(version) < _version_tuple(minimum):
             return f"{dist} {version} is older than {minimum}, the oldest version this project supports"
-    for issue in KNOWN_ISSUES.get(op, ()):
-        reason = issue(env)
+    for issue, backward_only in KNOWN_ISSUES.get(op, ()):
+        reason = issue(env) if backward or not backward_only else None
         if reason:
             return reason
     return None
@@ -171,13 +180,14 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
-def compare(op: str, kernel: Callable, reference: Callable, device, dtype=torch.bfloat16) -> Dict[str, float]:
+def compare(op: str, kernel: Callable, reference: Callable, device, dtype=torch.bfloat16,
+            backward: bool = True) -> Dict[str, float]:
     """Relative errors of ``kernel`` (``dtype`` inputs on ``device``) against ``reference`` (fp32,
-    same values, same device): every output, and every input gradient of a random projection of the
-    outputs. Keys: 'out0', 'out1', ..., 'grad0', ..."""
+    same values, same device): every output, and (``backward``, for ops that have one) every input
+    gradient of a random projection of the outputs. Keys: 'out0', 'out1', ..., 'grad0', ..."""
     inputs = example_inputs(op, device, dtype)
     tensors = [i for i, a in enumerate(inputs) if torch.is_tensor(a) and a.is_floating_point()]
-    backward = op not in FORWARD_ONLY
+    backward = backward and op not in FORWARD_ONLY
 
     def run(fn, cast):
         args = [a.detach().to(cast).requires_grad_(backward) if i in tensors else a for i, a in enumerate(inputs)]
@@ -200,11 +210,12 @@ def compare(op: str, kernel: Callable, reference: Callable, device, dtype=torch.
 
 
 @functools.lru_cache(maxsize=None)
-def probe(op: str, kernel: Callable, reference: Callable, device="cuda") -> Optional[str]:
-    """Run ``kernel`` once on tiny inputs, forward and backward, against the torch op: None when every
-    output and gradient agrees within PROBE_TOLERANCE, else why not (an exception counts)."""
+def probe(op: str, kernel: Callable, reference: Callable, device="cuda", backward: bool = True) -> Optional[str]:
+    """Run ``kernel`` once on tiny inputs, forward and (``backward``) backward, against the torch op:
+    None when every output and gradient agrees within PROBE_TOLERANCE, else why not (an exception
+    counts)."""
     try:
-        errors = compare(op, kernel, reference, device)
+        errors = compare(op, kernel, reference, device, backward=backward)
     except Exception as e:  # a kernel that refuses, or fails to compile
         return f"its one-time check raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     bad = {name: err for name, err in errors.items() if not err <= PROBE_TOLERANCE}

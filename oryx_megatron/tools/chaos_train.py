@@ -36,6 +36,7 @@ every kill was survived, no step was lost beyond the save interval, and losses a
 
     oryx-chaos-train --kills 30 --train-iters 120 --save-interval 5 --seed 1 --out runs/chaos   # docs/reliability.md
     oryx-chaos-train --kills 4 -- model.family=oryx_tm                                         # Hydra overrides
+    oryx-chaos-train --kills 4 -- optimizer.use_distributed_optimizer=true                     # docs/training.md
 """
 
 import argparse
@@ -369,13 +370,14 @@ def _max_diff(a, b) -> float:
 def compare_checkpoints(ref: Path, got: Path) -> dict:
     import torch
 
+    from oryx_megatron.training.checkpointing import load_common
+
     a, b = checkpoint_tensors(ref), checkpoint_tensors(got)
     tensors = [k for k in a if isinstance(a[k], torch.Tensor)]
     model = [k for k in tensors if not k.startswith(("optimizer", "rng_state"))]
     missing = sorted(set(a) ^ set(b))
     diffs = {k: _max_diff(a[k], b.get(k)) for k in tensors}
-    common_a = torch.load(ref / "common.pt", map_location="cpu", weights_only=False)
-    common_b = torch.load(got / "common.pt", map_location="cpu", weights_only=False)
+    common_a, common_b = load_common(ref), load_common(got)
     return {
         "tensors_compared": len(tensors),
         "model_tensors_compared": len(model),

@@ -179,6 +179,8 @@ def compose_run(model: str, seed: int, config: List[str]) -> TrainConfig:
 
 # Fields that do not shape the trained weights: runs differing only there are the same run.
 NOT_IN_RUN_KEY = {"train": ("log_interval", "eval_interval", "eval_iters", "eval_schedules", "exit_interval")}
+# fields added after runs were keyed: left out at their default, so that the earlier runs keep their keys
+ADDED_WITH_DEFAULT = {"data": {"reset_at_eod": False}, "model": {"router_hidden": None, "router_chunk_size": 128}}
 
 
 def run_key(run: TrainConfig) -> str:
@@ -190,6 +192,12 @@ def run_key(run: TrainConfig) -> str:
     for section, keys in NOT_IN_RUN_KEY.items():
         for key in keys:
             identity[section].pop(key)
+    if identity["router"]["mode"] == "none":  # added later too: the whole section when no router trains
+        identity.pop("router")
+    for section, defaults in ADDED_WITH_DEFAULT.items():
+        for key, default in defaults.items():
+            if identity[section][key] == default:
+                identity[section].pop(key)
     return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
 
 

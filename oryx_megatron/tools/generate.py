@@ -18,6 +18,7 @@ from typing import List, Optional
 
 from data_prep import PrepError
 from data_prep.tokenizer import AnyTokenizer
+from oryx_megatron.eval.ppl import document_reset_id
 from oryx_megatron.inference import (
     ALL_ATTENTION,
     GenerationStats,
@@ -159,7 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.kv_cache:
         check_linear_only(parser, args, encoded, tokenizer.vocab_size)
     common = dict(sampling=sampling, stop_token_ids=stops, vocab_size=tokenizer.vocab_size,
-                  cuda_graphs=args.cuda_graphs)
+                  cuda_graphs=args.cuda_graphs, reset_at_eod=document_reset_id(run))
     if args.speculative:
         result = speculative_generate(model, encoded, args.schedule, args.max_new_tokens, args.speculative, **common)
     else:

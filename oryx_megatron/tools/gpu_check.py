@@ -30,7 +30,6 @@ import functools
 import gc
 import importlib.metadata
 import importlib.util
-import json
 import math
 import shutil
 import statistics
@@ -50,6 +49,7 @@ from tqdm import tqdm
 
 from oryx_megatron import ops
 from oryx_megatron.ops import cuda, selection
+from oryx_megatron.tools.reporting import write_json
 
 if TYPE_CHECKING:  # megatron is imported when a section needs it, after the warning filters
     from oryx_megatron.models.builder import ModelArgs
@@ -61,15 +61,17 @@ DECODE_SCHEDULES = ("all_linear", "all_attention", "prefill=linear decode=attent
 
 # Tolerances (docs/gpu.md). Relative error of a tensor: max |x - ref| / max |ref|.
 KERNEL_RTOL = 2e-2  # bf16 kernels vs fp64: 0.15-0.7% measured on an H200 (gpu-device notes), ~3x margin
-MODEL_RTOL = {torch.bfloat16: 1e-1, torch.float32: 1e-4}  # logits; bf16 alone drifts up to 4.4% (docs/gpu.md)
+MODEL_RTOL = {torch.bfloat16: 1e-1, torch.float32: 1e-2}  # logits; bf16 alone drifts up to 4.4%, fp32 Triton
+# kernels multiply in TF32 (tl.dot's default: ~1e-3 on logits); the torch ops agree to 3e-7 (docs/gpu.md)
 RESUME_ATOL = {"cpu": 0.0, "cuda": 2e-2}  # loss; CPU fp32 is exact, GPU backward kernels use atomics
+RESUME_FLOOR_FACTOR = 4  # the resumed curve may also differ by 4x the run-to-run floor (diff_before_resume)
 PERF_SKIP = 2  # first steps left out of the throughput medians (compile, autotune, allocator warm-up)
 
 ACT, GATE = torch.bfloat16, torch.float32  # activations bf16; gates and recurrent states fp32, as the layers pass them
 CONV_WIDTH = 4
 SEQUENCE_OPS = ("causal_conv1d", "chunk_gated_delta_rule", "ssd_chunk_scan", "causal_attention",
                 "block_sparse_causal_attention", "gated_rms_norm")  # with a backward
-SPARSE_BLOCK = 64  # query block of block_sparse_causal_attention; every other block reads
+SPARSE_BLOCK = cuda.FLEX_BLOCK_SIZE  # query block of block_sparse_causal_attention; every other block reads
 OUTPUT_NAMES = {
     "causal_conv1d": ("y", "final_state"),
     "causal_conv1d_step": ("y", "new_state"),
@@ -207,7 +209,7 @@ class Report:
     def write(self) -> None:
         rows = [row for entry in self.data["sections"].values() for row in entry["rows"]]
         self.data["summary"] = {s: sum(row["status"] == s for row in rows) for s in ("pass", "fail", "skipped")}
-        (self.out / "report.json").write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        write_json(self.out / "report.json", self.data)
         (self.out / "report.md").write_text(render_markdown(self.data))
 
 
@@ -321,11 +323,13 @@ def make_header(setup: Setup, argv: Sequence[str]) -> dict:
         "python": sys.version.split()[0],
         "compute_capability": ".".join(map(str, env.capability)) if env.capability else None,
         "nvcc": env.nvcc,
-        "versions": {name: package_version(*where) for name, where in VERSIONS.items()},
+        # torch.__version__ keeps the build's local tag (2.11.0+cu130) that the metadata of PyPI's wheels lacks
+        "versions": {name: torch.__version__ if name == "torch" else package_version(*where)
+                     for name, where in VERSIONS.items()},
         "kernels_auto": chosen,
         "sizes": dataclasses.asdict(setup.sizes),
         "tolerances": {"kernel_rel": KERNEL_RTOL, "model_rel": {str(k): v for k, v in MODEL_RTOL.items()},
-                       "resume_abs": RESUME_ATOL},
+                       "resume_abs": RESUME_ATOL, "resume_floor_factor": RESUME_FLOOR_FACTOR},
     }
 
 
@@ -373,7 +377,7 @@ def kernel_inputs(op: str, shape: Tuple[int, int, int, int], with_state: bool,
                 "dt": (F.softplus(rand(b, *seq, h) - 2), GATE),  # [b, (s,) h], > 0
                 "A": (-(rand(h) / 2).exp(), GATE),  # [h], < 0
                 "B": (rand(b, *seq, h, d), ACT), "C": (rand(b, *seq, h, d), ACT),  # [b, (s,) h, n]
-                "D": (rand(h), ACT)}  # [h], a parameter of the model
+                "D": (rand(h), GATE)}  # [h], a parameter the model keeps in fp32
         state = (rand(b, h, d, d) / 4, GATE)  # [b, h, n, p]
     elif op == "gated_rms_norm":
         return {"y": (rand(b, s, h, d), ACT), "gate": (rand(b, s, h, d), ACT),  # [b, s, h, d_v]
@@ -452,9 +456,9 @@ def check_kernels(setup: Setup, report: Report) -> None:
             measures["bwd"] = call.backward_errors
         kernel = "torch" if setup.dry_run else selection.IMPLEMENTATIONS[op][0]
         base = {"op": op, "implementation": kernel, "note": _kernel_note(kernel, auto[op], setup)}
-        refusal = None if setup.dry_run else selection.refusal(op, env)
         for direction, measure in measures.items():
             row = {**base, "case": f"{direction}, {case}"}
+            refusal = None if setup.dry_run else selection.refusal(op, env, backward=direction == "bwd")
             if refusal:
                 report.add({**row, "status": "skipped", "note": f"skipped: {refusal}"})
             else:
@@ -492,7 +496,7 @@ def build_pair(family: str, setup: Setup) -> ModelPair:
         torch.manual_seed(0)
         model = build_model(backend_args, transformer_config(backend_args, params_dtype=dtype,
                                                              bf16=dtype == torch.bfloat16))
-        models[backend] = model.to(device=setup.device, dtype=dtype).eval()
+        models[backend] = model.to(setup.device).eval()  # built in dtype (SSM scalars fp32): moved, not cast
     models["auto"].load_state_dict(models["torch"].state_dict())
     return ModelPair(args, models["auto"], models["torch"])
 
@@ -600,12 +604,13 @@ def metrics(output_dir: Path) -> List[dict]:
 
 def check_training(setup: Setup, report: Report) -> None:
     s = setup.sizes
-    tolerance = RESUME_ATOL[setup.device.type]
     for family in setup.families:
-        row = {"family": family, "iterations": s.train_iters, "tolerance": tolerance}
+        row = {"family": family, "iterations": s.train_iters}
         try:
             row.update(train_family(family, setup))
-            ok = row["finite"] and row["falling"] and row["resume_max_abs_diff"] <= tolerance
+            # the run-to-run floor: the first half ran the same steps twice (non-deterministic GPU atomics)
+            row["tolerance"] = max(RESUME_ATOL[setup.device.type], RESUME_FLOOR_FACTOR * row["diff_before_resume"])
+            ok = row["finite"] and row["falling"] and row["resume_max_abs_diff"] <= row["tolerance"]
             report.add({**row, "status": "pass" if ok else "fail"})
         except Exception as e:
             report.add(failed(row, e))

@@ -32,7 +32,7 @@ from oryx_megatron import RECIPES_DIR
 from oryx_megatron.models.builder import ModelArgs, build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 
-COMPONENTS = ("embedding", "mixer", "mlp", "norm", "output_layer")
+COMPONENTS = ("embedding", "router", "mixer", "mlp", "norm", "output_layer")
 
 
 def load_model_args(overrides: List[str]) -> ModelArgs:

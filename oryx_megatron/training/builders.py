@@ -15,6 +15,7 @@ from oryx_megatron.data.loader import ShardLoader
 from oryx_megatron.data.synthetic import MQARLoader
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.training.config import TrainConfig, train_iters
+from oryx_megatron.training.optimizer import align_param_order
 
 
 def model_config(run: TrainConfig):
@@ -31,6 +32,12 @@ def model_config(run: TrainConfig):
         bf16=t.bf16,
         calculate_per_token_loss=True,  # the loss is a mean over all tokens of the global batch
     )
+    if p.virtual_pipeline_model_parallel_size is not None:
+        # megatron's batched p2p (the default) posts a step's sends and receives in one order on every
+        # rank; at PP=2 the previous and next stage are one rank, so the interleaved schedule's two
+        # messages to it (activation, gradient) cross: the next stage computes on the gradient. The
+        # separate, overlapped exchange that Megatron-LM uses with interleaving pairs them.
+        fields.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     if t.recompute_granularity == "full":  # every layer's forward again in the backward
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif t.recompute_granularity == "selective":  # the mixing between the projections (MultiMixer)
@@ -79,7 +86,9 @@ def build_optimizer(run: TrainConfig, model):
         params_dtype=torch.bfloat16 if run.train.bf16 else torch.float32,
         use_distributed_optimizer=o.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, model)
+    optimizer = get_megatron_optimizer(config, model)
+    align_param_order(optimizer)  # the fp32 SSM scalars of a bf16 model (training/optimizer.py)
+    return optimizer
 
 
 def build_scheduler(run: TrainConfig, optimizer) -> OptimizerParamScheduler:
@@ -114,6 +123,7 @@ def build_loader(run: TrainConfig, split: str = "train", mode_schedule=None):
         dp_size=parallel_state.get_data_parallel_world_size(),
         num_workers=d.num_workers,
         mode_schedule=mode_schedule or d.mode_schedule,
+        reset_at_eod=d.reset_at_eod,
     )
     if d.format == "mqar":
         common.pop("num_workers")
@@ -123,4 +133,5 @@ def build_loader(run: TrainConfig, split: str = "train", mode_schedule=None):
         iters = train_iters(run) if split == "train" else t.eval_iters
         return IndexedLoader(d.data_path, num_samples=iters * t.global_batch_size, eod_id=d.eod_id,
                              split=split, split_ratio=d.split, **common)
-    return ShardLoader(d.data_path, holdout_shards=d.holdout_shards, split=split, **common)
+    return ShardLoader(d.data_path, holdout_shards=d.holdout_shards, split=split,
+                       holdout_tail=t.eval_interval is not None, **common)

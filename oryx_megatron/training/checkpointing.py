@@ -7,17 +7,19 @@ Layout of ``checkpoint.dir``::
     latest               "iter_0000100", written only after a complete save
 
 A checkpoint saved at one TP/PP layout loads at another (the model and optimizer are
-sharded tensors); the RNG states are restored only at the layout they were saved at.
+sharded tensors; the distributed optimizer's state in megatron's ``fully_reshardable`` format,
+``OPTIMIZER_FORMAT``); the RNG states are restored only at the layout they were saved at.
 Checkpoints written before a parameter was renamed load too (``load_sharded``).
 
 Every checkpoint is verified before megatron reads it (``verify_checkpoint``): each file is
 present, no shard is shorter than ``.metadata`` says, and every pickle in it loads with
 restricted unpicklers (``.metadata``: only torch.distributed.checkpoint's metadata classes;
-``common.pt`` and the byte objects inside the shards: ``torch.load(weights_only=True)``), so
-the unrestricted ``pickle.load`` / ``torch.load(weights_only=False)`` that megatron and
-torch.distributed.checkpoint then run over the same bytes execute no code. A damaged
-checkpoint raises one ``CheckpointError`` naming the file; resuming skips it for the newest
-good one (``latest_checkpoint``).
+the common state (``common.pt``, or from megatron-core 0.19 the ``common_state`` object in the
+shards: ``oryx_megatron.compat.megatron``) and the byte objects inside the shards:
+``torch.load(weights_only=True)``), so the unrestricted ``pickle.load`` /
+``torch.load(weights_only=False)`` that megatron and torch.distributed.checkpoint then run over
+the same bytes execute no code. A damaged checkpoint raises one ``CheckpointError`` naming the
+file; resuming skips it for the newest good one (``latest_checkpoint``).
 """
 
 import importlib
@@ -37,16 +39,20 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from omegaconf import DictConfig
+
+from oryx_megatron.compat.megatron import COMMON_FILE, COMMON_OBJECT, common_state_location
 
 logger = logging.getLogger("oryx_megatron.train")
 
 LATEST = "latest"
 RUN_CONFIG = "run_config.yaml"
 METADATA = ".metadata"  # torch.distributed.checkpoint's pickled Metadata: which bytes of which shard hold what
-COMMON = "common.pt"  # megatron's non-sharded state (iteration, scheduler, loader, optimizer param groups)
 CONFIG = "metadata.json"  # megatron's format marker, written last by dist_checkpointing.save
+OPTIMIZER_FORMAT = "fully_reshardable"  # the distributed optimizer's: loads at any layout (docs/training.md)
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": OPTIMIZER_FORMAT}
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 # Sharded keys renamed since checkpoints were written: (new spelling, old spelling), in order.
@@ -150,8 +156,12 @@ def _read(path: Path, name: str, parse):
         raise
     except Exception as e:  # truncated, garbled or unsafe: one message naming the file
         size = (path / name).stat().st_size if (path / name).exists() else 0
-        detail = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(path, f"{name} is truncated or unreadable ({size} bytes: {detail[:160]})") from None
+        raise CheckpointError(path, f"{name} is truncated or unreadable ({size} bytes: {_detail(e)})") from None
+
+
+def _detail(e: Exception) -> str:
+    """The first sentence of an error's message (at most 160 characters), or its type's name."""
+    return (str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else type(e).__name__)[:160]
 
 
 def _load_metadata(file: Path):
@@ -161,11 +171,11 @@ def _load_metadata(file: Path):
 
 def verify_checkpoint(path: Path) -> None:
     """Raise CheckpointError (naming the file) unless every file of the checkpoint at ``path``
-    is present and readable: metadata.json, run_config.yaml, common.pt (weights_only), .metadata
-    (restricted unpickler), every ``__N_M.distcp`` shard it names at least as long as the byte
-    ranges it lists, and every byte object in the shards (weights_only). Contents are not
-    checksummed (the format has no checksums): a shard of the right length with flipped bits
-    is not detected."""
+    is present and readable: metadata.json, run_config.yaml, .metadata (restricted unpickler),
+    every ``__N_M.distcp`` shard it names at least as long as the byte ranges it lists, the
+    common state (``load_common``: weights_only) and every byte object in the shards
+    (weights_only). Contents are not checksummed (the format has no checksums): a shard of the
+    right length with flipped bits is not detected."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(path, "the directory does not exist")
@@ -173,9 +183,6 @@ def verify_checkpoint(path: Path) -> None:
     if not isinstance(config, dict) or config.get("sharded_backend") != "torch_dist":
         raise CheckpointError(path, f"{CONFIG} is not a torch_dist checkpoint's ({config!r})")
     _read(path, RUN_CONFIG, _load_yaml)
-    common = _read(path, COMMON, lambda f: torch.load(f, map_location="cpu", weights_only=True))
-    if not isinstance(common, dict) or "iteration" not in common:
-        raise CheckpointError(path, f"{COMMON} holds no training state")
     metadata = _read(path, METADATA, _load_metadata)
     try:
         storage = dict(metadata.storage_data)
@@ -192,6 +199,7 @@ def verify_checkpoint(path: Path) -> None:
         size = file.stat().st_size
         if size < needed[name]:
             raise CheckpointError(path, f"{name} is truncated ({size} bytes, {METADATA} needs {needed[name]})")
+    load_common(path, metadata)
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     byte_keys = {key for key, item in items.items() if isinstance(item, BytesStorageMetadata)}
@@ -301,10 +309,119 @@ def _sharded_state(model_chunks, optimizer, is_loading: bool, with_rng: bool) ->
     for i, chunk in enumerate(model_chunks):
         state["model" if len(model_chunks) == 1 else f"model{i}"] = chunk.module.sharded_state_dict()
     model_state = {k: v for k, v in state.items() if k.startswith("model")}
-    state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    if not is_loading:
+        _realign_saved_param_state(optimizer, state["optimizer"])
     if with_rng:
         state["rng_state"] = _rng_state()
     return state
+
+
+def _chained(optimizer) -> List:
+    """The megatron optimizers that ``optimizer`` chains (itself when it is not a ChainedOptimizer)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _per_optimizer(state: dict) -> List[dict]:
+    """The state of each chained optimizer: a ChainedOptimizer's is its one optimizer's, or {index: state}."""
+    return [state[i] for i in sorted(state)] if all(isinstance(k, int) for k in state) else [state]
+
+
+def _check_optimizer_state(path: Path, common: dict, optimizer) -> None:
+    """One line (ConfigError) instead of megatron's deep traceback when the checkpoint's optimizer state
+    is not one this run's optimizer loads: a non-distributed optimizer's for a non-distributed one, the
+    distributed optimizer's in OPTIMIZER_FORMAT (at any layout) for the distributed one."""
+    from oryx_megatron.training.config import ConfigError
+
+    saved = _per_optimizer(common["optimizer"])[0].get("param_state_sharding_type")  # None: not distributed
+    distributed = any(isinstance(opt, DistributedOptimizer) for opt in _chained(optimizer))
+    key = "config key 'optimizer.use_distributed_optimizer'"
+    if distributed and saved is None:
+        raise ConfigError(f"{key}: true, but checkpoint {path} holds a non-distributed optimizer's state: "
+                          "resume it with false")
+    if not distributed and saved is not None:
+        raise ConfigError(f"{key}: false, but checkpoint {path} holds the distributed optimizer's state "
+                          f"({saved!r}): resume it with true")
+    if distributed and saved != OPTIMIZER_FORMAT:
+        layouts = ["PP={} TP={} DP={}".format(*layout) for layout in (common["layout"], _layout())]
+        raise ConfigError(f"checkpoint {path}: the distributed optimizer's state is in megatron's {saved!r} "
+                          f"format (saved at {layouts[0]}); oryx-train loads only {OPTIMIZER_FORMAT!r}, at any "
+                          f"layout (this run: {layouts[1]})")
+
+
+def _realign_saved_param_state(optimizer, state: dict) -> None:
+    """Correct the parameter state that megatron's fully_reshardable save put in ``state`` (the
+    optimizer's sharded state dict). megatron-core (0.16 to 0.19; Megatron-LM PR #5077) slices a grad
+    buffer's DP-gathered state, which ``get_parameter_state_dp_zero`` packs without the padding at the
+    end of each bucket, at the buffer's own offsets (``param_index_map``), which count that padding: every
+    parameter after a padded bucket end is saved from the wrong place (with PP > 1 the tied embedding or
+    output layer, which has a bucket of its own; with overlap_grad_reduce, whatever lies beyond the first
+    bucket). Where a buffer has such padding, the state is gathered again and each parameter's tensors
+    are replaced by its own slice; elsewhere nothing happens."""
+    for opt, opt_state in zip(_chained(optimizer), _per_optimizer(state)):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        paddings = [[b.grad_data.numel() - b.numel_unpadded for b in buffer.buckets] for buffer in opt.buffers]
+        if not any(sum(padding[:-1]) for padding in paddings):
+            continue
+        param_state = opt_state["param_state"]  # {param_idx: {"param" / "exp_avg" / ...: ShardedTensor}}
+        shapes = {}
+        for idx, entries in param_state.items():  # megatron's misplaced copy goes before ours is gathered
+            for key, sharded in entries.items():
+                shapes[idx, key], sharded.data = sharded.data.shape, None
+        world = opt.get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
+        param_idx = 0  # megatron's numbering of the parameter state: buffers, then param_index_map, in order
+        for gbuf_idx, (buffer, padding) in enumerate(zip(opt.buffers, paddings)):
+            (tensors,) = world[gbuf_idx].values()  # one dtype per buffer: {"param": [numel_unpadded], ...}
+            for start, end, bucket in buffer.param_index_map.values():
+                stripped = sum(padding[:bucket])  # padding that the packing removed before this bucket
+                for key, sharded in param_state[param_idx].items():
+                    sharded.data = tensors[key][start - stripped:end - stripped].view(shapes[param_idx, key])
+                param_idx += 1
+
+
+def _over_torch_adam(optimizer) -> List:
+    """The DistributedOptimizers among ``optimizer``'s chained ones that run torch's Adam (no TE/apex
+    FusedAdam): torch's Adam keeps a ``step`` tensor per parameter, FusedAdam one per param group, and
+    megatron's checkpoint code for them has three gaps that ``_init_fresh_adam`` and
+    ``_load_optimizer`` close."""
+    return [opt for opt in _chained(optimizer)
+            if isinstance(opt, DistributedOptimizer) and type(opt.optimizer) in (torch.optim.Adam, torch.optim.AdamW)]
+
+
+def _init_fresh_adam(optimizer) -> None:
+    """Before a load: megatron's ``sharded_state_dict`` reads the step from the per-parameter state,
+    which a never-stepped torch Adam lacks (AssertionError): zero moments at step 0 (the load
+    overwrites them)."""
+    for opt in _over_torch_adam(optimizer):
+        if not opt.optimizer.state:
+            opt.init_state_fn(opt.optimizer, opt.config)
+            for param_state in opt.optimizer.state.values():
+                param_state["step"] = torch.tensor(0.0)
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``; a DistributedOptimizer over torch's Adam loads in two parts:
+    megatron's ``load_state_dict`` without the parameter state (param groups, grad scaler), then the
+    parameter state with torch's ``step`` entries held aside, because megatron's parameter-state load
+    copies every entry of torch's state and the checkpoint keeps the step only in the param groups
+    (KeyError 'step'); each parameter then gets its own step tensor (megatron gives all of them one,
+    which torch's Adam increments once per parameter)."""
+    over_torch_adam = _over_torch_adam(optimizer)
+    if not over_torch_adam:
+        optimizer.load_state_dict(state)
+        return
+    for opt, opt_state in zip(over_torch_adam, _per_optimizer(state)):
+        param_state = opt_state.pop("param_state")
+        del opt_state["param_state_sharding_type"]  # OPTIMIZER_FORMAT (_check_optimizer_state)
+        opt.load_state_dict(opt_state)
+        step = float(opt_state["optimizer"]["param_groups"][0]["step"])
+        adam_state = opt.optimizer.state.values()
+        for param_state_of_adam in adam_state:
+            del param_state_of_adam["step"]
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for param_state_of_adam in adam_state:
+            param_state_of_adam["step"] = torch.tensor(step)
 
 
 def save_checkpoint(ckpt_dir: str, iteration: int, model_chunks, optimizer, scheduler, loader,
@@ -315,7 +432,7 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model_chunks, optimizer, sche
     is never the one `latest` names) is removed first. run_config.yaml is written after megatron's
     files and before `latest` moves; a crash in between leaves a directory that `latest` does not
     name, which verification rejects and the next save of that iteration replaces. ``extra``:
-    more non-sharded state (e.g. the W&B run id), saved in common.pt."""
+    more non-sharded state (e.g. the W&B run id), saved in the common state (``compat.megatron``)."""
     path = iteration_dir(ckpt_dir, iteration)
     if dist.get_rank() == 0:
         named = latest_name(ckpt_dir)
@@ -357,9 +474,26 @@ def _write_latest(ckpt_dir: str, name: str) -> None:
     os.replace(tmp, Path(ckpt_dir) / LATEST)
 
 
-def load_common(path: Path) -> dict:
-    """The non-sharded state of a verified checkpoint (common.pt, weights_only)."""
-    return torch.load(Path(path) / COMMON, map_location="cpu", weights_only=True)
+def load_common(path: Path, metadata=None) -> dict:
+    """The non-sharded state of the checkpoint at ``path`` (iteration, scheduler, loader, layout, run
+    id, optimizer param groups), loaded with weights_only from where its megatron-core version put it
+    (``common.pt`` or the shards' ``common_state`` object: ``compat.megatron``). ``metadata``: its
+    ``.metadata`` when already read (else read here, restricted unpickler). CheckpointError naming the
+    file when the state is missing, unreadable or holds no training state."""
+    path = Path(path)
+    if metadata is None:
+        metadata = _read(path, METADATA, _load_metadata)
+    where = common_state_location(path, metadata)
+    if where is None:
+        raise CheckpointError(path, f"{COMMON_FILE} is missing and {METADATA} names no {COMMON_OBJECT} object")
+    try:
+        common = where.load(path)
+    except Exception as e:  # truncated, garbled or unsafe
+        raise CheckpointError(path, f"{where.name} is truncated or unreadable ({where.length} bytes: {_detail(e)})") \
+            from None
+    if not isinstance(common, dict) or "iteration" not in common:
+        raise CheckpointError(path, f"{where.name} holds no training state")
+    return common
 
 
 def load_checkpoint(path: Path, model_chunks, optimizer, scheduler, loader) -> int:
@@ -367,10 +501,12 @@ def load_checkpoint(path: Path, model_chunks, optimizer, scheduler, loader) -> i
     verify_checkpoint(path)
     common = load_common(path)
     same_layout = common["layout"] == _layout()
+    _check_optimizer_state(path, common, optimizer)
+    _init_fresh_adam(optimizer)
     state = load_sharded(_sharded_state(model_chunks, optimizer, is_loading=True, with_rng=same_layout), path)
     for i, chunk in enumerate(model_chunks):
         chunk.module.load_state_dict(state["model" if len(model_chunks) == 1 else f"model{i}"])
-    optimizer.load_state_dict(state["optimizer"])
+    _load_optimizer(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     loader.load_state_dict(state["loader"])
     if same_layout:

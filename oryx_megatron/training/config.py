@@ -25,6 +25,7 @@ class DataConfig:
     holdout_shards: int = 1  # shards: the last N shards of each source are the held-out split
     eod_id: Optional[int] = None  # indexed: the tokenizer's end-of-document id
     split: str = "98,2,0"  # indexed: Megatron's --split of documents into train, valid, test
+    reset_at_eod: bool = False  # batches hold document_ids (the document of each token; docs/data.md)
     mode_schedule: Dict[str, Any] = field(
         default_factory=lambda: {"name": "random_chunks", "chunk_size": 128, "p_attention": 0.5}
     )
@@ -101,6 +102,19 @@ class LoggingConfig:
 
 
 @dataclass
+class RouterConfig:
+    """The chunk router's training (docs/routing.md): ``router=posthoc`` fits the router of a trained,
+    frozen model (training/router.py); ``none``: ordinary pretraining."""
+
+    mode: str = "none"  # "none" | "posthoc"
+    init_from: Optional[str] = None  # posthoc: the trained model (a checkpoint or a run's checkpoint.dir)
+    objective: str = "classification"  # "classification" (targets at benefit_threshold) | "regression"
+    benefit_threshold: float = 0.0  # nats: a chunk's target is attention where reading it lowers its mean loss more
+    temperature: float = 0.1  # regression: the router's logit is fitted to (benefit - benefit_threshold) / temperature
+    calibration_batches: int = 8  # held-out batches whose chunks calibrate the budget thresholds
+
+
+@dataclass
 class TrainConfig:
     model: ModelArgs
     data: DataConfig = field(default_factory=DataConfig)
@@ -109,6 +123,7 @@ class TrainConfig:
     train: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 # recipes/train.yaml lists this schema first in its defaults: every composed key is typed.
@@ -119,6 +134,8 @@ CHOICES = {
     "optimizer.optimizer": ("adam", "sgd"),
     "optimizer.lr_decay_style": ("cosine", "linear", "constant", "WSD"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
+    "router.mode": ("none", "posthoc"),
+    "router.objective": ("classification", "regression"),
 }
 
 
@@ -147,6 +164,7 @@ def _check_values(run: TrainConfig) -> None:
         if value not in allowed:
             raise ConfigError(f"config key '{key}': {value!r} is not one of {allowed}")
     t, p = run.train, run.parallel
+    _check_router(run)
     positive = {
         "train.micro_batch_size": t.micro_batch_size,
         "train.global_batch_size": t.global_batch_size,
@@ -159,10 +177,15 @@ def _check_values(run: TrainConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key '{key}': {value} must be positive")
-    if p.virtual_pipeline_model_parallel_size is not None:
-        # Builds and trains, but its first-step loss differs from PP=1 by ~2e-3 (PP alone matches
-        # to 1e-5): refused until the interleaved schedule is proven exact.
-        raise ConfigError("config key 'parallel.virtual_pipeline_model_parallel_size': not supported yet")
+    vp = p.virtual_pipeline_model_parallel_size  # interleaved pipeline: vp model chunks per pipeline stage
+    if vp is not None:
+        key = "config key 'parallel.virtual_pipeline_model_parallel_size'"
+        if vp < 2 or p.pipeline_model_parallel_size < 2:
+            raise ConfigError(f"{key}: {vp} needs a value of at least 2 and parallel.pipeline_model_parallel_size "
+                              f"of at least 2 (it is {p.pipeline_model_parallel_size}); null: no interleaving")
+        if run.model.num_layers % (p.pipeline_model_parallel_size * vp):
+            raise ConfigError(f"{key}: model.num_layers={run.model.num_layers} is not a multiple of pipeline x "
+                              f"virtual pipeline size {p.pipeline_model_parallel_size} x {vp}")
     if (t.train_iters is None) == (t.train_tokens is None):
         raise ConfigError("config keys 'train.train_iters' / 'train.train_tokens': set exactly one")
     if t.global_batch_size % t.micro_batch_size:
@@ -206,3 +229,25 @@ def mqar_task(run: TrainConfig, seed: int = 0) -> MQARConfig:
     d = run.data
     return MQARConfig(d.mqar_vocab_size or run.model.vocab_size, d.seq_length, d.mqar_num_pairs, d.mqar_num_queries,
                       seed=seed, filler_id=d.mqar_filler_id)
+
+
+def _check_router(run: TrainConfig) -> None:
+    """router=posthoc needs a multi-mixer model with a router, the model to start from, one process."""
+    r = run.router
+    if r.mode == "none":
+        return
+    if run.model.router_hidden is None:
+        raise ConfigError("config key 'model.router_hidden': router.mode=posthoc needs a router width (e.g. 64)")
+    if not r.init_from:
+        raise ConfigError("config key 'router.init_from': router.mode=posthoc fits the router of a trained model: "
+                          "give its checkpoint (or the run's checkpoint.dir)")
+    p = run.parallel
+    if (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) != (1, 1):
+        raise ConfigError("config key 'router.mode': posthoc router training runs at tensor and pipeline parallel "
+                          f"size 1 (the router is small), got {p.tensor_model_parallel_size} and "
+                          f"{p.pipeline_model_parallel_size}")
+    if not run.checkpoint.dir:
+        raise ConfigError("config key 'checkpoint.dir': router.mode=posthoc saves the model with its router there")
+    if r.temperature <= 0 or r.calibration_batches < 1:
+        raise ConfigError(f"config keys 'router.temperature' / 'router.calibration_batches': {r.temperature}, "
+                          f"{r.calibration_batches} must be positive")

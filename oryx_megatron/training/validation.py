@@ -2,13 +2,16 @@
 
 ``validate_run(run)`` raises ``ConfigError`` naming the key, file or value of the first problem:
 the data paths (blend syntax, manifests readable, shard files present, tokens > 0, one
-tokenizer across a blend; Megatron ``.bin``/``.idx`` pairs for ``data.format=indexed``), the
-data's tokenizer vocab against ``model.vocab_size``, the shard count against
-``data.holdout_shards`` and the batch sizes against the data-parallel size of the launch
-(``WORLD_SIZE``). ``oryx-train`` calls it first and prints the error as one line
-(``ORYX_DEBUG=1``: the traceback). Only reads files; never imports the loaders' workers.
+tokenizer across a blend, an EOD id for ``data.reset_at_eod``; Megatron ``.bin``/``.idx`` pairs
+for ``data.format=indexed``), the data's tokenizer vocab against ``model.vocab_size``, the
+held-out split (the shard count against ``data.holdout_shards``; a one-document source against
+``data.seq_length``) and the batch sizes against the data-parallel size of the launch
+(``WORLD_SIZE``). It logs one line saying what is held out. ``oryx-train`` calls it first and
+prints the error as one line (``ORYX_DEBUG=1``: the traceback). Only reads files; never
+imports the loaders' workers.
 """
 
+import logging
 import os
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from oryx_megatron.data.shards import Manifest
 from oryx_megatron.launch import distributed_env_from_slurm
 from oryx_megatron.training.config import ConfigError, TrainConfig
 
+logger = logging.getLogger(__name__)
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 
@@ -66,7 +70,7 @@ def _paths(run: TrainConfig):
 
 def _check_shards(run: TrainConfig) -> None:
     d = run.data
-    first = None
+    first, held_out = None, []
     for path in _paths(run):
         try:
             manifest = Manifest.read(path)
@@ -80,6 +84,12 @@ def _check_shards(run: TrainConfig) -> None:
             )
         if manifest.tokens == 0:
             raise ConfigError(f"config key 'data.data_path': {path} holds no tokens")
+        if manifest.tokens + manifest.documents - 1 < d.seq_length:  # an EOD after each document
+            raise ConfigError(f"config key 'data.seq_length': {path} holds {manifest.tokens} tokens in "
+                              f"{manifest.documents} document(s), no sample of {d.seq_length} + 1 tokens")
+        if d.reset_at_eod and not (isinstance(manifest.eod_id, int) and 0 <= manifest.eod_id < manifest.vocab_size):
+            raise ConfigError(f"config key 'data.reset_at_eod': {path} has no EOD id in [0, {manifest.vocab_size}) "
+                              f"(manifest eod_id: {manifest.eod_id!r})")
         if d.holdout_shards and len(manifest.shards) > 1 and not 1 <= d.holdout_shards < len(manifest.shards):
             raise ConfigError(  # a single shard holds out documents instead (docs/data.md)
                 f"config key 'data.holdout_shards': {d.holdout_shards} must be between 1 and "
@@ -98,6 +108,31 @@ def _check_shards(run: TrainConfig) -> None:
                 f"config key 'data.data_path': {path} was tokenized with another tokenizer than {first[0]};"
                 " blended sources must share one"
             )
+        held_out.append(f"{path}: {_held_out(run, manifest)}")
+    logger.info("held-out data: %s", "; ".join(held_out))
+
+
+def _held_out(run: TrainConfig, manifest: Manifest) -> str:
+    """What the training loader holds out of one source (``Manifest.holdout`` as ``build_loader``
+    asks for it), in words; a one-document source too short to hold out a tail is a ConfigError."""
+    d = run.data
+    if not d.holdout_shards:
+        return "nothing (data.holdout_shards=0)"
+    try:
+        train = manifest.holdout(d.holdout_shards, "train", min_tokens=d.seq_length,
+                                 tail=run.train.eval_interval is not None)
+    except ValueError as e:
+        raise ConfigError(f"config key 'train.eval_interval': {e} (data.seq_length={d.seq_length}); "
+                          f"train.eval_interval=null trains on all of it") from None
+    if manifest.documents == 1:
+        if train.stop is None:
+            return f"nothing (one document; train.eval_interval=null): all {manifest.tokens:,} tokens train"
+        return (f"the last {manifest.tokens - train.stop:,} of the {manifest.tokens:,} tokens of its one document "
+                f"(too few documents to hold out)")
+    if len(manifest.shards) > 1:
+        return (f"the last {d.holdout_shards} of {len(manifest.shards)} shards "
+                f"({manifest.documents - train.end} documents)")
+    return f"the last {manifest.documents - train.end} of the {manifest.documents} documents of its one shard"
 
 
 def _check_indexed(run: TrainConfig) -> None:

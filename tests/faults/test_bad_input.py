@@ -5,6 +5,7 @@ run directory / output directory / ``.tmp`` file is left, and (oryx-train) that 
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,10 +21,34 @@ ENV = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "offline", "PYTHO
 ENV.pop("ORYX_DEBUG", None)
 
 
+# torch's own warning, logged when megatron-core's import reaches torch.utils.cpp_extension on a CUDA build of
+# torch without a GPU but with a CUDA toolkit (megatron/core/tensor_parallel/random.py imports it): not ours.
+# torch's log format: "W1201 15:42:18.761000 22085 torch/utils/cpp_extension.py:140] <message>".
+TORCH_NO_CUDA_RUNTIME = re.compile(r"W\d{4} \d\d:\d\d:\d\d\.\d+ \d+ torch/utils/cpp_extension\.py:\d+\] "
+                                   r"No CUDA runtime is found, using CUDA_HOME='[^']*'")
+
+
+def without_torch_warnings(stderr: str) -> str:
+    """stderr less the lines that are exactly torch's known warning (TORCH_NO_CUDA_RUNTIME)."""
+    return "".join(line for line in stderr.splitlines(keepends=True)
+                   if not TORCH_NO_CUDA_RUNTIME.fullmatch(line.rstrip("\n")))
+
+
 def run(args, cwd, timeout=120):
     start = time.perf_counter()
     out = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    out.stderr = without_torch_warnings(out.stderr)
     return out, time.perf_counter() - start
+
+
+def test_only_torchs_known_warning_is_dropped_from_stderr():
+    torch_line = "W1201 15:42:18.761000 22085 torch/utils/cpp_extension.py:140] No CUDA runtime is found, " \
+                 "using CUDA_HOME='/usr/local'\n"
+    error = "oryx-train: error: config key 'x': bad\n"
+    assert without_torch_warnings(torch_line + error) == error
+    kept = [torch_line.replace("'\n", "' and more\n"), torch_line.replace("torch/utils", "oryx_megatron"),
+            "No CUDA runtime is found, using CUDA_HOME='/usr/local'\n"]
+    assert without_torch_warnings("".join(kept) + error) == "".join(kept) + error
 
 
 def last_line(stderr: str) -> str:

@@ -1,18 +1,23 @@
 """oryx-chaos-train in its short configuration: SIGTERM, SIGKILL at a step and SIGKILL inside a save of
-the tiny model on synthetic MQAR; every restart resumes from the last complete checkpoint and the run ends
-bitwise equal to the uninterrupted one (losses of every iteration, weights and optimizer moments)."""
+the tiny model on synthetic MQAR, with the plain and with the distributed optimizer; every restart resumes
+from the last complete checkpoint and the run ends bitwise equal to the uninterrupted one (losses of every
+iteration, weights and optimizer moments)."""
 
 import json
+
+import pytest
 
 from oryx_megatron.tools import chaos_train
 
 KILLS, ITERS, SAVE_INTERVAL = 3, 12, 3  # ~5 process starts of ~8 s each on 2 cores
 
 
-def test_chaos_run_matches_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("overrides", [[], ["optimizer.use_distributed_optimizer=true"]],
+                         ids=["optimizer", "distributed_optimizer"])
+def test_chaos_run_matches_the_uninterrupted_run(tmp_path, overrides):
     args = chaos_train.parse_args([
         "--kills", str(KILLS), "--train-iters", str(ITERS), "--save-interval", str(SAVE_INTERVAL),
-        "--seed", "0", "--concurrent-reference", "--attempt-timeout", "300", "--out", str(tmp_path)])
+        "--seed", "0", "--concurrent-reference", "--attempt-timeout", "300", "--out", str(tmp_path), *overrides])
     result = chaos_train.chaos(args)
     s = result["summary"]
     assert result["failure"] is None, result["failure"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from oryx_megatron.compat.megatron import common_state_location
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.train import pretrain
 from oryx_megatron.training import checkpointing, metrics
@@ -58,10 +59,27 @@ def truncate(file: Path) -> None:
     os.truncate(file, file.stat().st_size // 2)
 
 
-DAMAGES = {  # name: (file of iter_0000004, what is done to it, the reason logged)
-    "shard": ("__0_0.distcp", truncate, "__0_0.distcp is truncated ("),
-    "second_shard": ("__0_1.distcp", Path.unlink, "__0_1.distcp is missing (named by .metadata)"),
-    "common": ("common.pt", truncate, "common.pt is truncated or unreadable ("),
+def version_dependent_names(ckpt: Path) -> dict:
+    """The names in a checkpoint that depend on megatron-core's version: its first and last shard file
+    (two per rank up to 0.16, one from 0.17) and where the common state lies (common.pt up to 0.18, an
+    object inside a shard from 0.19)."""
+    shards = sorted(p.name for p in ckpt.glob("*.distcp"))
+    where = common_state_location(ckpt, pickle.loads((ckpt / ".metadata").read_bytes()))
+    return {"first_shard": shards[0], "last_shard": shards[-1], "common_state": where.name}
+
+
+def zero_common_state(ckpt: Path) -> None:
+    """Zero the bytes of the common state where the save put it (each file keeps its length)."""
+    where = common_state_location(ckpt, pickle.loads((ckpt / ".metadata").read_bytes()))
+    with open(ckpt / where.file, "r+b") as f:
+        f.seek(where.offset)
+        f.write(bytes(where.length))
+
+
+DAMAGES = {  # name: (file of iter_0000004, what is done to it, the reason logged); {names}: version_dependent_names
+    "shard": ("{first_shard}", truncate, "{first_shard} is truncated ("),
+    "last_shard": ("{last_shard}", Path.unlink, "{last_shard} is missing (named by .metadata)"),
+    "common": (".", zero_common_state, "{common_state} is truncated or unreadable ("),
     "metadata": (".metadata", truncate, ".metadata is truncated or unreadable ("),
     "metadata_json": ("metadata.json", Path.unlink, "metadata.json is missing"),
     "run_config": ("run_config.yaml", lambda f: f.write_text(""), "run_config.yaml is truncated or unreadable ("),
@@ -71,9 +89,11 @@ DAMAGES = {  # name: (file of iter_0000004, what is done to it, the reason logge
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_damaged_checkpoint_is_skipped_and_training_continues_exactly(corpus, stopped, straight, tmp_path,
                                                                          caplog, damage):
-    name, spoil, reason = DAMAGES[damage]
+    file, spoil, reason = DAMAGES[damage]
     run = copy_of(stopped, tmp_path)
-    spoil(run / "ckpt/iter_0000004" / name)
+    names = version_dependent_names(run / "ckpt/iter_0000004")
+    spoil(run / "ckpt/iter_0000004" / file.format(**names))
+    reason = reason.format(**names)
     with caplog.at_level(logging.INFO):
         assert pretrain(run_config(corpus, run, *COMMON), str(run / "out")) == 0
     skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping damaged checkpoint")]

@@ -115,3 +115,21 @@ def test_the_block_mask_is_built_once_per_read_tensor():
     assert cuda.read_block_mask(read, 64, 16) is not mask  # another key length
     read[0] = ~read[0]
     assert not torch.equal(cuda.read_block_mask(read, 48, 16).to_dense(), mask.to_dense())
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flex_sparse_block_divides_by_the_tiles_inductor_tries_on_the_gpu(monkeypatch, capability, head_dim, dtype):
+    """Without max-autotune inductor tries one FlexAttention tile config per GPU and raises "Q and KV block
+    size must be divisible by BLOCK_M and BLOCK_N" (backward: skips the config) otherwise. On sm90 bf16 with
+    d 64 the tiles are 128: the 32- and 64-token blocks of earlier probes failed there."""
+    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+    heuristic = CUDAConfigHeuristic()
+    block = cuda.FLEX_BLOCK_SIZE
+    for c in heuristic.get_flex_attn_fwd_configs(head_dim, dtype):
+        assert block % c.block_m == 0 and block % c.block_n == 0, c
+    for c in heuristic.get_flex_attn_bwd_configs(head_dim, dtype):
+        assert all(block % t == 0 for t in (c.block_m1, c.block_n1, c.block_m2, c.block_n2)), c

@@ -93,8 +93,16 @@ def with_version(dist: str, version: str):
     return tuple((d, version if d == dist else v) for d, v in GOOD)
 
 
-def passing_probe(op):
+def passing_probe(op, backward=True):
     return None
+
+
+@pytest.fixture
+def fresh_selection():
+    """Selection results are cached per (backend, environment, probe): forget the ones a test made."""
+    ops._select.cache_clear()
+    yield
+    ops._select.cache_clear()
 
 
 def test_a_complete_environment_refuses_nothing():
@@ -106,6 +114,7 @@ def test_fla_backward_refused_on_hopper_with_the_triton_of_fla_issue_640(triton)
     env = hopper(*with_version("triton", triton))
     reason = selection.refusal("chunk_gated_delta_rule", env)
     assert f"Triton {triton} on a Hopper GPU (sm90)" in reason and "fla issue 640" in reason
+    assert selection.refusal("chunk_gated_delta_rule", env, backward=False) is None  # issue 640 is the backward's
     assert selection.refusal("gated_delta_rule_step", env) is None  # the decode kernel has no backward
     assert selection.refusal("chunk_gated_delta_rule", hopper(*with_version("triton", triton), ("tilelang", "0.1.9"),
                                                                nvcc=True)) is None
@@ -124,27 +133,60 @@ def test_missing_and_old_packages_are_named():
     assert "fla-core 0.3.0 is older" in selection.refusal("chunk_gated_delta_rule", legacy)
 
 
-def test_auto_falls_back_per_op_and_logs_why(caplog, monkeypatch):
+def test_auto_falls_back_per_op_and_logs_why(caplog, monkeypatch, fresh_selection):
     monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
     env = hopper(*with_version("triton", "3.6.0"))
     with caplog.at_level("WARNING", logger="oryx_megatron.ops"):
         kernels = get_kernels("auto", env=env, probe=passing_probe)
     assert kernels.names == {"causal_conv1d": "causal_conv1d", "causal_conv1d_step": "causal_conv1d",
-                             "chunk_gated_delta_rule": "torch", "gated_delta_rule_step": "fla",
+                             "chunk_gated_delta_rule": "fla without grad", "gated_delta_rule_step": "fla",
                              "ssd_chunk_scan": "mamba_ssm", "ssd_step": "mamba_ssm", "causal_attention": "sdpa",
                              "block_sparse_causal_attention": "flex_attention", "gated_rms_norm": "mamba_ssm"}
-    assert kernels.chunk_gated_delta_rule is ops.chunk_gated_delta_rule and kernels.ssd_step is cuda.ssd_step
-    assert "chunk_gated_delta_rule: the torch op runs instead of the CUDA kernel: Triton 3.6.0" in caplog.text
+    assert kernels.ssd_step is cuda.ssd_step
+    assert ("chunk_gated_delta_rule: fla without grad runs where no gradient is needed, the torch op where one is "
+            "(training): Triton 3.6.0 on a Hopper GPU" in caplog.text)
+    missing = hopper(*[(d, v) for d, v in GOOD if d != "mamba-ssm"])
+    kernels = get_kernels("auto", env=missing, probe=passing_probe)
+    assert kernels.names["ssd_chunk_scan"] == "torch" and kernels.ssd_chunk_scan is ops.ssd_chunk_scan
+
+
+def test_a_backward_only_refusal_keeps_the_kernel_where_no_gradient_is_needed(monkeypatch, fresh_selection):
+    """fla issue 640 concerns the gated delta rule's backward: prefill and evaluation keep fla's
+    forward, training runs the torch op (forward and backward)."""
+    calls = []
+
+    def fla(*args, **kwargs):
+        calls.append("fla")
+        return ops.chunk_gated_delta_rule(*args, **kwargs)
+
+    monkeypatch.setattr(cuda, "chunk_gated_delta_rule", fla)
+    kernels = get_kernels("auto", env=hopper(*with_version("triton", "3.6.0")), probe=passing_probe)
+    args = selection.example_inputs("chunk_gated_delta_rule", s=16)
+    kernels.chunk_gated_delta_rule(*args)  # no input requires a gradient
+    with torch.no_grad():
+        kernels.chunk_gated_delta_rule(args[0].requires_grad_(), *args[1:])
+    assert calls == ["fla", "fla"]
+    o, _ = kernels.chunk_gated_delta_rule(*args)  # q requires grad, grad mode on: the torch op
+    o.sum().backward()
+    assert calls == ["fla", "fla"] and args[0].grad is not None
+
+
+def test_a_kernel_whose_backward_fails_its_check_runs_only_without_grad(fresh_selection):
+    def probe(op, backward=True):
+        return "its one-time check differs from the torch op: grad0 relative error 1" if backward else None
+
+    names = get_kernels("auto", env=hopper(*GOOD), probe=probe).names
+    assert set(names.values()) == {f"{selection.IMPLEMENTATIONS[op][0]} without grad" for op in ops.OPS}
 
 
 def test_a_failed_probe_falls_back_and_cuda_backend_names_it():
-    def probe(op):
+    def probe(op, backward=True):
         return "its one-time check differs from the torch op: out0 relative error 1" if op == "ssd_step" else None
 
     assert get_kernels("auto", env=hopper(*GOOD), probe=probe).names["ssd_step"] == "torch"
     with pytest.raises(RuntimeError, match=r"kernel backend 'cuda' is unavailable here: ssd_step: its one-time check"):
         get_kernels("cuda", env=hopper(*GOOD), probe=probe)
-    with pytest.raises(RuntimeError, match=r"chunk_gated_delta_rule: Triton 3.6.0 on a Hopper GPU"):
+    with pytest.raises(RuntimeError, match=r"chunk_gated_delta_rule \(backward\): Triton 3.6.0 on a Hopper GPU"):
         get_kernels("cuda", env=hopper(*with_version("triton", "3.6.0")), probe=passing_probe)
 
 
@@ -166,6 +208,20 @@ def test_probe_rejects_a_kernel_that_computes_something_else_or_raises():
     assert "differs from the torch op" in selection.probe("ssd_chunk_scan", wrong_scan, ops.ssd_chunk_scan, "cpu")
     assert selection.probe("chunk_gated_delta_rule", refusing, ops.chunk_gated_delta_rule, "cpu") == (
         "its one-time check raised RuntimeError: Triton >= 3.4.0 on Hopper GPUs produces incorrect results")
+
+
+def test_compile_is_seen_disabled_by_either_variable(monkeypatch):
+    """torch.compile returns the function uncompiled under TORCHDYNAMO_DISABLE=1 while
+    torch._dynamo.config.disable stays False: selection must read the variable itself."""
+    from torch._dynamo import config as dynamo_config
+
+    monkeypatch.setattr(dynamo_config, "disable", False)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert not selection.compile_enabled()
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert selection.compile_enabled()
+    monkeypatch.setattr(dynamo_config, "disable", True)  # TORCH_COMPILE_DISABLE=1
+    assert not selection.compile_enabled()
 
 
 def test_flex_attention_needs_torch_compile():

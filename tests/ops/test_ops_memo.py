@@ -34,3 +34,22 @@ def test_inference_tensors_are_computed_every_time():
         t = torch.arange(4)
         double(t), double(t)
     assert len(calls) == 2
+
+
+def test_tensor_arguments_count_by_identity_and_version():
+    calls = []
+
+    @once_per_tensor
+    def masked(t, mask, scale):
+        calls.append(1)
+        return t * mask * scale
+
+    t, mask = torch.arange(4), torch.tensor([1, 0, 1, 0])
+    first = masked(t, mask, 2)
+    assert masked(t, mask, 2) is first and len(calls) == 1
+    masked(t, mask.clone(), 2)  # equal values, another tensor: no comparison of values (and no error)
+    assert len(calls) == 2
+    again = masked(t, mask, 2)
+    assert masked(t, mask, 2) is again and len(calls) == 3
+    mask.mul_(2)  # the argument changed in place
+    assert torch.equal(masked(t, mask, 2), t * mask * 2) and len(calls) == 4

@@ -66,3 +66,14 @@ def test_a_table_first_built_in_inference_mode_serves_training():
     apply_rotary(x, cos[:16], sin[:16]).square().sum().backward()  # an inference tensor would refuse
     assert x.grad is not None and not cos.is_inference()
 
+
+
+def test_every_length_of_a_power_of_two_reads_one_table_for_good():
+    """A captured decode graph reads the table by address: speculative verify forwards of ever new
+    lengths must never free it (an LRU keyed by length evicted it after 16 lengths)."""
+    table = rotary_table(513, DIM, 10000.0, torch.device("cpu"), torch.float64)
+    for length in range(514, 1025):  # 511 more lengths, all within the table of 1024 positions
+        assert rotary_table(length, DIM, 10000.0, torch.device("cpu"), torch.float64)[0] is table[0]
+    for length in (2, 3, 5, 9, 17, 33, 65, 129, 257):  # other powers of two
+        rotary_table(length, DIM, 10000.0, torch.device("cpu"), torch.float64)
+    assert rotary_table(700, DIM, 10000.0, torch.device("cpu"), torch.float64)[0] is table[0]

@@ -15,7 +15,6 @@ fp32, contexts 256/1024, batches 1/4; on CUDA oryx_tg_130m, bf16, contexts 1k-64
 
 import argparse
 import dataclasses
-import json
 import sys
 
 import torch
@@ -26,6 +25,7 @@ from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from oryx_megatron.tools.params import load_model_args
+from oryx_megatron.tools.reporting import write_json
 
 SCHEDULES = ("all_attention", "all_linear", "prefill=linear decode=attention")
 COLUMNS = ("schedule", "context", "batch", "prefill_s", "decode_ms_per_step", "decode_tok_per_s",
@@ -43,7 +43,7 @@ def build(recipe: str, max_length: int, dtype: torch.dtype, device: str) -> torc
     initialize_parallel()
     torch.manual_seed(0)
     model = build_model(args, transformer_config(args, params_dtype=dtype, perform_initialization=True))
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device).eval()  # built in dtype (the SSM scalars in fp32): moved, not cast
 
 
 def measure(model, schedule: str, context: int, batch: int, new_tokens: int, speculative: int) -> dict:
@@ -125,6 +125,7 @@ def main(argv=None) -> int:
     measure(model, "all_attention", 16, 1, 4, 0)  # warm-up
     todo = list(cases(contexts, batches, args.speculative, args.max_batch_tokens or max_tokens))
     rows, baseline = [], {}
+    meta = dict(model=model_name, dtype=dtype, device=args.device, new_tokens=new_tokens)
     for schedule, context, batch, k in tqdm(todo, desc="bench_inference", file=sys.stderr):
         row = min((measure(model, schedule, context, batch, new_tokens, k) for _ in range(args.repeats)),
                   key=lambda r: r["decode_ms_per_step"])
@@ -132,14 +133,12 @@ def main(argv=None) -> int:
             baseline[context, batch] = row["decode_tok_per_s"]
         row["vs_attention"] = row["decode_tok_per_s"] / baseline[context, batch]
         rows.append(row)
+        if args.json:  # after every row: a run cut short keeps what it measured
+            write_json(args.json, dict(meta, rows=rows))
     weights = "trained" if args.checkpoint else "random weights"
     print(f"model {model_name} ({weights}), {dtype}, {args.device}, {new_tokens} new tokens, greedy, "
           f"fastest of {args.repeats}; vs_attention = decode tokens/s / all_attention's at the same context and batch")
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            meta = dict(model=model_name, dtype=dtype, device=args.device, new_tokens=new_tokens)
-            json.dump(dict(meta, rows=rows), f, indent=1)
     return 0
 
 

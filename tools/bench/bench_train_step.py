@@ -10,7 +10,10 @@ Rows: the Transformer baseline (megatron's GPTModel, local spec with SDPA core a
 an attention-only Oryx layer stack (the oryx_tg recipe with ``mixers="attention"``),
 Oryx-TM and Oryx-TG (one row per ``--p-attention``: modes per chunk of ``--chunk`` tokens,
 ``random_chunks`` of ``oryx_megatron.data.modes`` drawn with seed 0), Mamba-2 and GDN; each
-once per ``--recompute`` setting (megatron's ``recompute_granularity``: none, selective, full).
+once per ``--recompute`` setting (megatron's ``recompute_granularity``: none, selective, full);
+with ``--reset-at-eod`` each row also on packed documents read each alone (``document_ids`` of a
+log-normal length mix, median seq / 8 tokens: ``packed_documents``; the "docs" column gives the
+documents per sample and "reset vs across" the step time against the same row without resets).
 
 A step is what one training iteration does on one micro-batch: forward with the LM loss
 (mean over tokens), backward, ``torch.optim.AdamW`` step (fused on CUDA) on the model's
@@ -52,7 +55,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import json
 import statistics
 import time
 from pathlib import Path
@@ -67,6 +69,7 @@ from oryx_megatron.data.modes import RandomChunks
 from oryx_megatron.models.builder import FAMILY_MIXERS, ModelArgs, build_model, transformer_config
 from oryx_megatron.parallel import current_device, destroy_parallel, initialize_parallel
 from oryx_megatron.tools.params import load_model_args
+from oryx_megatron.tools.reporting import write_json
 
 MODEL_SIZES = {"tiny": "tiny_{family}", "130m": "{family}_130m", "1_4b": "{family}_1_4b"}  # recipes/model/
 RECOMPUTE = {  # --recompute -> TransformerConfig fields
@@ -203,7 +206,7 @@ def build(bench: Bench, variant: Variant, recompute: str):
     if variant.mixers is not None:
         config = dataclasses.replace(config, mixers=variant.mixers)
     torch.manual_seed(0)
-    model = build_model(args, config).to(device=bench.device, dtype=bench.dtype)
+    model = build_model(args, config).to(bench.device)  # built in the run's dtype (SSM scalars fp32): moved, not cast
     return model, config
 
 
@@ -225,9 +228,21 @@ def median_step_seconds(step: Callable[[], None], bench: Bench) -> float:
     return statistics.median(times)
 
 
-def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recompute: str) -> dict:
+def packed_documents(micro_batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    """document_ids [micro_batch, seq] of packed documents of a heavy-tailed length mix: lengths
+    log-normal around a median of seq / 8 tokens (256 at 2048; sigma 1), the last cut by the sample's
+    end, as pretraining packs a web corpus."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (torch.randn(micro_batch, seq, generator=g) + torch.tensor(seq / 8).log()).exp().ceil().long()
+    ends = lengths.cumsum(1)  # [b, seq] document ends; more than enough documents
+    starts = torch.zeros(micro_batch, seq + 1, dtype=torch.long).scatter_(1, ends.clamp(max=seq), 1)
+    return starts[:, :seq].cumsum(1)
+
+
+def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recompute: str,
+            reset_at_eod: bool = False) -> dict:
     """One row: build the model, time its training step, count its FLOPs."""
-    row = dict(model=variant.name, p_attention=p_attention, recompute=recompute)
+    row = dict(model=variant.name, p_attention=p_attention, recompute=recompute, reset_at_eod=reset_at_eod)
     try:
         model, config = build(bench, variant, recompute)
     except Exception as error:  # e.g. a recompute granularity the layer does not offer yet
@@ -243,10 +258,12 @@ def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recomp
         micro_batch=bench.micro_batch, attention_fraction=attention_fraction(config, modes),
         linear_scan=getattr(config, "linear_mixer", None) is not None,
     )
+    document_ids = packed_documents(bench.micro_batch, bench.seq).to(bench.device) if reset_at_eod else None
     row.update(params_m=sum(p.numel() for p in model.parameters()) / 1e6,
-               attention_read=shape.attention_fraction)
+               attention_read=shape.attention_fraction,
+               docs_per_sample=None if document_ids is None else float(document_ids[:, -1].float().mean() + 1))
     try:
-        step, forward = training_step(model, modes, bench)
+        step, forward = training_step(model, modes, document_ids, bench)
         seconds = median_step_seconds(step, bench)
         activations = held_by_forward(forward, bench.device)
         if bench.profile_dir is not None:
@@ -269,9 +286,11 @@ def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recomp
     )
 
 
-def training_step(model, modes: Optional[torch.Tensor], bench: Bench) -> Tuple[Callable[[], None], Callable]:
-    """(step, forward) on one fixed batch: the step is forward with the LM loss, backward, AdamW
-    step and zeroing the gradients; forward returns the loss alone."""
+def training_step(model, modes: Optional[torch.Tensor], document_ids: Optional[torch.Tensor],
+                  bench: Bench) -> Tuple[Callable[[], None], Callable]:
+    """(step, forward) on one fixed batch (with ``document_ids``: packed documents, each read alone):
+    the step is forward with the LM loss, backward, AdamW step and zeroing the gradients; forward
+    returns the loss alone."""
     ids = torch.randint(0, model.vocab_size, (bench.micro_batch, bench.seq + 1),
                         generator=torch.Generator().manual_seed(0)).to(bench.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=bench.device.type == "cuda")
@@ -279,7 +298,7 @@ def training_step(model, modes: Optional[torch.Tensor], bench: Bench) -> Tuple[C
         torch.cuda.reset_peak_memory_stats(bench.device)
 
     def forward() -> torch.Tensor:
-        return model(ids[:, :-1], modes, labels=ids[:, 1:]).float().mean()
+        return model(ids[:, :-1], modes, labels=ids[:, 1:], document_ids=document_ids).float().mean()
 
     def step():
         forward().backward()
@@ -300,7 +319,8 @@ def write_profile(step: Callable[[], None], bench: Bench, row: dict) -> Path:
         synchronize(bench.device)
     sort = "self_cuda_time_total" if bench.device.type == "cuda" else "self_cpu_time_total"
     p = "" if row["p_attention"] is None else f"-p{row['p_attention']}"
-    path = bench.profile_dir / f"{row['model']}{p}-{row['recompute']}.txt"
+    reset = "-reset" if row["reset_at_eod"] else ""
+    path = bench.profile_dir / f"{row['model']}{p}-{row['recompute']}{reset}.txt"
     path.write_text(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
     return path
 
@@ -323,13 +343,15 @@ def held_by_forward(forward: Callable[[], torch.Tensor], device: torch.device) -
 def add_comparisons(rows: List[dict]) -> None:
     """vs_transformer: step time / the Transformer's at the same recompute setting;
     act_vs_none, time_vs_none: a recompute row against its model's row without recompute."""
-    measured = {(r["model"], r["p_attention"], r["recompute"]): r for r in rows if r["status"] == "ok"}
+    measured = {(r["model"], r["p_attention"], r["recompute"], r["reset_at_eod"]): r for r in rows if r["status"] == "ok"}
     for row in rows:
         if row["status"] != "ok":
             continue
-        baseline = measured.get((BASELINE.name, None, row["recompute"]))
+        baseline = measured.get((BASELINE.name, None, row["recompute"], row["reset_at_eod"]))
         row["vs_transformer"] = row["step_ms"] / baseline["step_ms"] if baseline else None
-        no_recompute = measured.get((row["model"], row["p_attention"], "none"))
+        across = measured.get((row["model"], row["p_attention"], row["recompute"], False))
+        row["time_vs_across"] = row["step_ms"] / across["step_ms"] - 1 if row["reset_at_eod"] and across else None
+        no_recompute = measured.get((row["model"], row["p_attention"], "none", row["reset_at_eod"]))
         if row["recompute"] == "none" or no_recompute is None:
             continue
         row["time_vs_none"] = row["step_ms"] / no_recompute["step_ms"] - 1
@@ -341,6 +363,7 @@ COLUMNS = (  # header, row key, format
     ("p_attn", "p_attention", "{:.2f}"),
     ("attn read", "attention_read", "{:.2f}"),
     ("recompute", "recompute", "{}"),
+    ("docs", "docs_per_sample", "{:.1f}"),
     ("params M", "params_m", "{:.1f}"),
     ("step ms", "step_ms", "{:.1f}"),
     ("tokens/s", "tokens_per_s", "{:,.0f}"),
@@ -351,6 +374,7 @@ COLUMNS = (  # header, row key, format
     ("vs transformer", "vs_transformer", "{:.2f}"),
     ("act vs none", "act_vs_none", "{:+.0%}"),
     ("time vs none", "time_vs_none", "{:+.0%}"),
+    ("reset vs across", "time_vs_across", "{:+.0%}"),
     ("status", "status", "{}"),
 )
 
@@ -369,8 +393,8 @@ def format_table(rows: List[dict]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
              for line in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines += [f"{r['model']} p_attn={r['p_attention']} recompute={r['recompute']}: {r['status']}: {r['error']}"
-              for r in rows if r["status"] != "ok"]
+    lines += [f"{r['model']} p_attn={r['p_attention']} recompute={r['recompute']} reset_at_eod={r['reset_at_eod']}: "
+              f"{r['status']}: {r['error']}" for r in rows if r["status"] != "ok"]
     return "\n".join(lines)
 
 
@@ -397,6 +421,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="fractions of attention chunks for Oryx-TM / Oryx-TG (one row each)")
     parser.add_argument("--chunk", type=int, default=128, help="tokens per mode chunk")
     parser.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=["none"])
+    parser.add_argument("--reset-at-eod", action="store_true",
+                        help="also measure every row on packed documents read each alone (data.reset_at_eod)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, help="device peak for MFU (default 989 on H100/H200)")
@@ -407,19 +433,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def planned_rows(args: argparse.Namespace) -> List[tuple]:
-    """(variant, p_attention, recompute) of every row, the Transformer first."""
+    """(variant, p_attention, recompute, reset_at_eod) of every row, the Transformer first."""
     variants = [BASELINE] + [v for v in VARIANTS[1:] if v.name in args.families]
     return [
-        (variant, p, recompute)
+        (variant, p, recompute, reset)
         for variant in variants
         for p in (args.p_attention if variant.reads_modes else [None])
         for recompute in args.recompute
+        for reset in ((False, True) if args.reset_at_eod else (False,))
     ]
 
 
 def main(argv=None) -> List[dict]:
     args = parse_args(argv)
     initialize_parallel()
+    rows = []
     try:
         device = current_device()
         overrides = {field: value for field, value in (("num_layers", args.layers), ("hidden_size", args.hidden),
@@ -432,24 +460,24 @@ def main(argv=None) -> List[dict]:
         )
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
-        rows = [measure(bench, *plan) for plan in tqdm(planned_rows(args), desc="rows")]
+        setup = dict(
+            date=datetime.datetime.now().isoformat(timespec="seconds"),
+            device=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                    else f"CPU ({torch.get_num_threads()} threads)"),
+            dtype=str(bench.dtype).removeprefix("torch."), torch=torch.__version__, model_size=args.model_size,
+            shape_overrides=overrides, micro_batch=args.micro_batch, seq=args.seq, chunk=args.chunk,
+            warmup=args.warmup, repeats=args.repeats, peak_tflops=bench.peak_tflops,
+        )
+        for plan in tqdm(planned_rows(args), desc="rows"):
+            rows.append(measure(bench, *plan))
+            add_comparisons(rows)
+            if args.json:  # after every row: a run cut short keeps what it measured
+                write_json(args.json, dict(setup=setup, rows=rows))
     finally:
         destroy_parallel()
-    add_comparisons(rows)
-    setup = dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"),
-        device=(torch.cuda.get_device_name(device) if device.type == "cuda"
-                else f"CPU ({torch.get_num_threads()} threads)"),
-        dtype=str(bench.dtype).removeprefix("torch."), torch=torch.__version__, model_size=args.model_size,
-        shape_overrides=overrides, micro_batch=args.micro_batch, seq=args.seq, chunk=args.chunk,
-        warmup=args.warmup, repeats=args.repeats, peak_tflops=bench.peak_tflops,
-    )
     print(f"{setup['device']}, {setup['dtype']}, {args.model_size} recipes, micro-batch {args.micro_batch} x "
           f"{args.seq} tokens, median of {args.repeats} steps after {args.warmup} warm-up")
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(setup=setup, rows=rows), f, indent=2)
     return rows
 
 

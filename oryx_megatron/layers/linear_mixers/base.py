@@ -19,9 +19,9 @@ class LinearMixer(HeadSplitModule, ABC):
     MultiMixer hands it every stream of the fused input projection, per head: the shared
     ``k`` [.., h, d_k] and ``v`` [.., h, d_v] (after their short convs) and the mixer's own
     streams, whose widths ``streams`` declares. The mixer owns its small per-head parameters
-    (``add_head_params``; ``add_decay_params`` for A_log and dt_bias), turns its streams into
-    per-token scalars in fp32, and runs its chunked scan (``forward``) or one token (``step``)
-    with the kernels of ``oryx_megatron.ops``.
+    (``add_scalar_params``, kept in fp32; ``add_decay_params`` for A_log and dt_bias), turns its
+    streams into per-token scalars in fp32, and runs its chunked scan (``forward``) or one token
+    (``step``) with the kernels of ``oryx_megatron.ops``.
 
     Parameter accounting: its streams' rows of the input projection (and their convs) and all
     of its parameters are specific to linear mode, except a query shared with attention.
@@ -41,10 +41,12 @@ class LinearMixer(HeadSplitModule, ABC):
 
     @abstractmethod
     def forward(
-        self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False
+        self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+        document_ids: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         """Chunked scan of a sequence: stream -> [b, s, h, width] -> (o [b, s, h, d_v], the final
-        state, or None unless output_final_state)."""
+        state, or None unless output_final_state); document_ids [b, s] or None: the state restarts
+        from zero at each document start."""
 
     @abstractmethod
     def step(self, x: Dict[str, Tensor], state: Tensor) -> Tuple[Tensor, Tensor]:
@@ -55,10 +57,16 @@ class LinearMixer(HeadSplitModule, ABC):
         return (batch_size, self.num_heads, self.d_k, self.d_v)
 
     # ---- decay: A_log and dt_bias, and the per-token scalars they give, fp32 (or wider) ----
+    def add_scalar_params(self, specs) -> None:
+        """Per-head scalars of the recurrence (A_log, dt_bias, D) as ``add_head_params`` makes them, but
+        kept in fp32 (or wider) under any ``params_dtype``: in bf16 they would lose all but 8 bits of
+        the decay rates (mamba-ssm and megatron's Mamba mixer keep them in fp32; mamba issues 6, 352)."""
+        self.add_head_params(specs, dtype=torch.promote_types(self.config.params_dtype, torch.float32))
+
     def add_decay_params(self) -> None:
         """A_log and dt_bias, one per head (Mamba-2's initialisation)."""
         heads = self.config.num_attention_heads
-        self.add_head_params({"A_log": ((heads,), self._init_A_log), "dt_bias": ((heads,), self._init_dt_bias)})
+        self.add_scalar_params({"A_log": ((heads,), self._init_A_log), "dt_bias": ((heads,), self._init_dt_bias)})
 
     @property
     def A(self) -> Tensor:

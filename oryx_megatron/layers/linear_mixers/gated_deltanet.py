@@ -30,12 +30,14 @@ class GatedDeltaNetMixer(LinearMixer):
         return {"q_lin": config.kv_channels, "beta": 1, "alpha": 1}
 
     def forward(
-        self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False
+        self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+        document_ids: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         q, k, a, beta = self._inputs(x)  # [b, s, h, d_k] twice, [b, s, h] fp32 twice
         return self.kernels.chunk_gated_delta_rule(
             q, k, x["v"], a, beta, initial_state=initial_state,
             output_final_state=output_final_state, chunk_size=self.config.linear_chunk_size,
+            document_ids=document_ids,
         )  # o [b, s, h, d_v], final state [b, h, d_k, d_v]
 
     def step(self, x: Dict[str, Tensor], state: Tensor) -> Tuple[Tensor, Tensor]:

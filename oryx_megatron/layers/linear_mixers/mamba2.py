@@ -22,19 +22,21 @@ class Mamba2Mixer(LinearMixer):
     def __init__(self, config: OryxConfig, kernels: Kernels):
         super().__init__(config, kernels)
         self.add_decay_params()
-        self.add_head_params({"D": ((config.num_attention_heads,), torch.ones)})  # skip
+        self.add_scalar_params({"D": ((config.num_attention_heads,), torch.ones)})  # skip
 
     @staticmethod
     def streams(config: OryxConfig) -> Dict[str, int]:
         return {"q_lin": config.kv_channels, "dt": 1}
 
     def forward(
-        self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False
+        self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+        document_ids: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         dt = self.time_step(x["dt"])  # [b, s, h] fp32
         return self.kernels.ssd_chunk_scan(
             x=x["v"], dt=dt, A=self.A, B=x["k"], C=x["q_lin"], D=self.D, initial_state=initial_state,
             output_final_state=output_final_state, chunk_size=self.config.linear_chunk_size,
+            document_ids=document_ids,
         )  # o [b, s, h, d_v], final state [b, h, d_k, d_v]
 
     def step(self, x: Dict[str, Tensor], state: Tensor) -> Tuple[Tensor, Tensor]:

@@ -1,0 +1,59 @@
+"""What differs between the megatron-core releases this project supports (``>=0.16.1,<0.20``), in one place.
+
+Each difference is detected from what is there (a file, an entry of ``.metadata``), never from a version
+number; nothing else in the project reads megatron-core's version (tests/test_structure.py checks).
+
+- **The common state** (iteration, scheduler, loader, layout, run id, optimizer param groups: what
+  ``dist_checkpointing.save`` is given besides sharded tensors and objects): up to 0.18 the save writes it
+  to ``common.pt`` beside the shards; from 0.19 it travels inside the shards as the ShardedObject
+  ``common_state``. ``common_state_location`` finds it in either place, in megatron 0.19's own order
+  (``load_common_state_dict``: ``common.pt`` when the checkpoint has one).
+- **Shard files**: the torch_dist save writes two ``__<rank>_<n>.distcp`` files per rank up to 0.16
+  (``thread_count`` 2) and one from 0.17. Nothing counts them: verification follows ``.metadata``.
+- **CUDA on the CPU**: 0.19's DDP grad sync calls ``torch.cuda.current_stream()`` on every step;
+  ``compat.cpu`` answers it with the CPU stream (on every version).
+"""
+
+import io
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+
+COMMON_FILE = "common.pt"
+# The fqn of the common_state object in .metadata: ShardedObject("common_state", ..., (1,), (0,)).unique_key
+COMMON_OBJECT = "common_state/shard_0_1"
+
+
+class Location(NamedTuple):
+    """Where a checkpoint's common state lies: bytes [offset, offset + length) of ``file`` (relative to
+    the checkpoint); ``name`` says where in messages."""
+
+    file: str
+    offset: int
+    length: int
+    name: str
+
+    def load(self, checkpoint: Path):
+        """The common state, by ``torch.load(weights_only=True)`` (no code in the pickle runs); None when
+        the object is not a one-item list (a sharded object's bytes hold [its data])."""
+        with open(Path(checkpoint) / self.file, "rb") as f:
+            f.seek(self.offset)
+            loaded = torch.load(io.BytesIO(f.read(self.length)), map_location="cpu", weights_only=True)
+        if self.file == COMMON_FILE:
+            return loaded
+        return loaded[0] if isinstance(loaded, list) and len(loaded) == 1 else None
+
+
+def common_state_location(checkpoint: Path, metadata) -> Optional[Location]:
+    """The common state of the checkpoint at ``checkpoint``: ``common.pt`` when it has one, else the
+    ``common_state`` object that ``metadata`` (its loaded ``.metadata``) places in a shard; None when it
+    has neither."""
+    file = Path(checkpoint) / COMMON_FILE
+    if file.is_file():
+        return Location(COMMON_FILE, 0, file.stat().st_size, COMMON_FILE)
+    for index, info in dict(metadata.storage_data).items():
+        if index.fqn == COMMON_OBJECT:
+            return Location(info.relative_path, info.offset, info.length,
+                            f"{info.relative_path}: object {COMMON_OBJECT}")
+    return None

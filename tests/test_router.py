@@ -1,0 +1,125 @@
+"""The chunk router (layers/router.py) and router schedules (inference/routing.py): causal decisions,
+the budget's quota, generation deciding chunk by chunk equal to one parallel routing pass, bad specs."""
+
+import pytest
+import torch
+
+from oryx_megatron.config import Mode
+from oryx_megatron.inference import generate
+from oryx_megatron.inference.routing import ChunkDecisions, route_modes
+from oryx_megatron.inference.schedules import RouterSchedule, parse_schedule
+from oryx_megatron.models.builder import build_model, transformer_config
+from tests.helpers import tiny_args
+
+pytestmark = pytest.mark.usefixtures("single_process_parallel")
+CHUNK = 8
+
+
+def routed_model(family="oryx_tg", seed=0, dtype=torch.float64):
+    """A tiny model with a router of random (not zero) output weights, calibrated on random tokens."""
+    args = tiny_args(family, router_hidden=16, router_chunk_size=CHUNK)
+    torch.manual_seed(seed)
+    model = build_model(args, transformer_config(args, params_dtype=dtype))
+    with torch.no_grad():
+        model.router.fc2.weight.normal_(0, 3.0)
+        logits = model.route(tokens(args, 4, 64, seed=9), CHUNK)[:, 1:]
+        model.router.fc2.bias.sub_(logits.median())  # about half the chunks above p = 0.5
+        model.router.first.fill_(-1.0)
+        probs = torch.sigmoid(logits - logits.median()).flatten()
+        model.router.calibration.copy_(torch.quantile(probs, torch.linspace(0, 1, 101, dtype=torch.float64)))
+    return model.eval(), args
+
+
+def tokens(args, b=2, s=40, seed=1):
+    return torch.randint(0, args.vocab_size, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
+def test_a_chunks_logit_reads_only_the_tokens_before_it(family):
+    model, args = routed_model(family)
+    ids = tokens(args)
+    with torch.no_grad():
+        logits = model.route(ids, CHUNK)  # [b, 1 + 40 // 8]: chunks 0..5, chunk 5 starts at 40
+        assert logits.shape == (2, 6) and logits.std() > 0.1
+        for start in range(0, 40, CHUNK // 2):  # change every token from `start` on
+            changed = ids.clone()
+            changed[:, start:] = (changed[:, start:] + 1) % args.vocab_size
+            other = model.route(changed, CHUNK)
+            decided_before = start // CHUNK + 1  # the chunks starting at or before `start`
+            assert torch.equal(other[:, :decided_before], logits[:, :decided_before]), start
+            assert (other[:, decided_before:] - logits[:, decided_before:]).abs().max() > 1e-6, start
+
+
+def test_the_budget_quota_holds_whatever_the_router_wants():
+    model, _ = routed_model()
+    decide = ChunkDecisions(model, RouterSchedule(budget=0.25), batch_size=3, device="cpu")
+    assert decide.threshold == float(model.router.calibration[75])  # the calibrated (1 - budget) percentile
+    modes = decide(torch.full((3, 40), 10.0))  # the router wants attention everywhere
+    attention = (modes == Mode.ATTENTION).long()
+    chunks = torch.arange(1, 41)
+    assert (attention.cumsum(1) <= 0.25 * chunks + 1).all()  # budget x chunks so far + one, at every point
+    assert attention.sum(1).tolist() == [11, 11, 11]  # 0.25 x 40 + 1
+    assert ChunkDecisions(model, RouterSchedule(threshold=0.5), 1, "cpu")(torch.tensor([[0.1, -0.1]])).tolist() == [
+        [Mode.ATTENTION, Mode.LINEAR]]
+
+
+@pytest.mark.parametrize("schedule", ["router threshold=0.5", "router budget=0.3", "router threshold=0.4 chunk_size=4"])
+def test_generation_decides_each_chunk_as_one_routing_pass_over_the_whole_sequence(schedule):
+    """Prefill decides the prompt's chunks from one routing pass; each later chunk is decided at its first
+    position from the first layer's readouts of the token before (the decode step writes them). The
+    logits equal one parallel forward over prompt + output with the modes route_modes gives it."""
+    model, args = routed_model()
+    prompts = [tokens(args, 1, 13, seed=2)[0].tolist(), tokens(args, 1, 21, seed=3)[0].tolist()]  # ragged
+    result = generate(model, prompts, schedule, 12, output_logits=True)
+    parsed = parse_schedule(schedule)
+    fractions = []
+    for prompt, new, logits in zip(prompts, result.tokens, result.logits):
+        ids = torch.tensor([prompt + new[:-1]])
+        with torch.no_grad():
+            modes = route_modes(model, parsed, ids)
+            want = model(ids, modes)[0, len(prompt) - 1:]
+        assert (logits - want).abs().max() < 1e-9
+        fractions.append(float((modes == Mode.ATTENTION).float().mean()))
+    if parsed.budget is not None:
+        assert all(f <= parsed.budget + CHUNK / len(p) for f, p in zip(fractions, prompts))
+    else:
+        assert 0 < max(fractions) and result.stats.attention_fraction > 0  # some chunk read attention
+
+
+def test_bad_router_specs_give_one_named_line():
+    with pytest.raises(ValueError, match=r"give exactly one of threshold=P or budget=FRACTION"):
+        parse_schedule("router")
+    with pytest.raises(ValueError, match=r"budget=1.5 is not in \[0, 1\]"):
+        parse_schedule("router budget=1.5")
+    with pytest.raises(ValueError, match=r"cannot read 'thresh=0.5'"):
+        parse_schedule("router thresh=0.5")
+    with pytest.raises(ValueError, match=r"threshold='high' is not a number"):
+        parse_schedule("router threshold=high")
+    plain, args = tiny_args("oryx_tg"), None
+    model = build_model(plain, transformer_config(plain, params_dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"needs a model with a router \(model.router_hidden\)"):
+        generate(model, [[1, 2, 3]], "router threshold=0.5", 2)
+    routed, _ = routed_model()
+    routed.router.calibration.fill_(torch.nan)
+    with pytest.raises(ValueError, match=r"'router budget=0.1' needs a calibrated router"):
+        generate(routed, [[1, 2, 3]], "router budget=0.1", 2)
+    with pytest.raises(ValueError, match=r"router_hidden=8: a router .* mixers='gdn'"):
+        transformer_config(tiny_args("gdn", router_hidden=8))
+
+
+def test_the_router_is_in_the_checkpoint_and_counted(tmp_path):
+    from megatron.core import dist_checkpointing
+
+    from oryx_megatron.tools.params import count_parameters
+
+    model, _ = routed_model()
+    (tmp_path / "ckpt").mkdir()
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path / "ckpt"))
+    other, _ = routed_model(seed=5)
+    other.load_state_dict(dist_checkpointing.load(other.sharded_state_dict(), str(tmp_path / "ckpt")))
+    loaded = other.state_dict()
+    for name, p in model.state_dict().items():
+        if torch.is_tensor(p):
+            assert torch.allclose(p, loaded[name], rtol=0, atol=0, equal_nan=True), name
+    counts = count_parameters(model)
+    assert counts["router"] == sum(p.numel() for p in model.router.parameters()) > 0
