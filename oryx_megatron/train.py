@@ -261,6 +261,10 @@ class Trainer:
         _clip_grads(self.optimizer, grad_norm)
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
+        if self.run.router.mode == "joint":  # the price of attention rises while the fraction exceeds the budget
+            r, router = self.run.router, self.model[0].module.router
+            fraction = float(loss_sums[3] / loss_sums[1]) if loss_sums[1] else 0.0
+            router.price.copy_((router.price + r.price_lr * (fraction - r.budget)).clamp_min(0))
         return loss_sums, grad_norm
 
     def log(self, interval: "Interval") -> None:
@@ -277,6 +281,8 @@ class Trainer:
             "perf/mfu": self.flops_per_iter / elapsed / world / (self.run.logging.peak_tflops * 1e12),
             "perf/memory_gb": memory_gb(),
         })
+        if self.run.router.mode == "joint":
+            report["router/price"] = float(self.model[0].module.router.price)
         self.metrics.log(self.iteration, report)
 
     @torch.no_grad()
@@ -311,8 +317,9 @@ def _forward_backward(run: TrainConfig, model, loaders, forward_only: bool) -> L
     t = run.train
     num_microbatches = t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
     iterators = loaders if len(loaders) > 1 else loaders[0]
+    joint = run.router.mode == "joint" and not forward_only  # evaluation keeps its schedules
     return get_forward_backward_func()(
-        forward_step_func=_forward_step,
+        forward_step_func=partial(_routed_forward_step, run.model.router_chunk_size) if joint else _forward_step,
         data_iterator=iterators,
         model=model if len(model) > 1 else model[0],
         num_microbatches=num_microbatches,
@@ -335,14 +342,33 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss, batch["loss_mask"], batch["modes"])
 
 
-def _loss(loss_mask, modes, per_token_loss):
+def _routed_forward_step(chunk_size: int, data_iterator, model):
+    """router=joint: each chunk's mode drawn from the router, p = sigmoid(logit), a ~ Bernoulli(p);
+    the layers read with weights a + p - stop_gradient(p) (a in value: the LM loss reaches the router
+    through attention read minus linear read, straight-through), and the loss adds the price of
+    attention: price x each reading token's attention FLOPs (its position + 1, relative to the mean)."""
+    batch = get_batch(data_iterator, current_device())
+    tokens, docs = batch["tokens"], batch.get("document_ids")
+    s = tokens.shape[1]
+    router = model.module.router
+    p = torch.sigmoid(model.module.route(tokens, chunk_size, docs)[:, : -(-s // chunk_size)].float())  # [b, n]
+    weights = (torch.bernoulli(p.detach()) + p - p.detach()).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]
+    flops = torch.arange(1, s + 1, device=tokens.device, dtype=torch.float32) / ((s + 1) / 2)  # [s], mean 1
+    output = model(tokens, weights, labels=batch["labels"], document_ids=docs)
+    return output, partial(_loss, batch["loss_mask"], weights, attention_cost=router.price.float() * weights * flops)
+
+
+def _loss(loss_mask, modes, per_token_loss, attention_cost=None):
     """Token-summed loss and token count (megatron divides by the global count), plus the
-    sums over attention-mode tokens for per-mode logging."""
+    sums over attention-mode tokens for per-mode logging. ``attention_cost`` [b, s] (router=joint):
+    added to each masked token's loss (the reported sums stay the LM loss's)."""
     mask = loss_mask.float()
     losses = per_token_loss.float() * mask
     attention = (modes == Mode.ATTENTION).float() * mask
     total, count = losses.sum(), mask.sum()
     report = torch.stack([total, count, (losses * attention).sum(), attention.sum()]).detach()
+    if attention_cost is not None:
+        total = total + (attention_cost * mask).sum()
     return total, count.int(), {"loss_sums": report}
 
 

@@ -7,7 +7,6 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from oryx_megatron import RECIPES_DIR
-from oryx_megatron.parallel import destroy_parallel
 from oryx_megatron.train import pretrain
 from oryx_megatron.training import checkpointing
 from oryx_megatron.training.config import load_train_config
@@ -30,7 +29,6 @@ def saved_weights(ckpt_dir):
     from oryx_megatron.inference.checkpoint import load_model
 
     model, _ = load_model(str(ckpt_dir), torch.bfloat16)
-    destroy_parallel()
     return dict(model.named_parameters())
 
 

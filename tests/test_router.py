@@ -123,3 +123,17 @@ def test_the_router_is_in_the_checkpoint_and_counted(tmp_path):
             assert torch.allclose(p, loaded[name], rtol=0, atol=0, equal_nan=True), name
     counts = count_parameters(model)
     assert counts["router"] == sum(p.numel() for p in model.router.parameters()) > 0
+
+
+def test_speculative_decoding_routes_the_prompt():
+    from oryx_megatron.inference import speculative_generate
+
+    model, args = routed_model()
+    prompt = tokens(args, 1, 24, seed=4)[0].tolist()
+    result = speculative_generate(model, [prompt], "router threshold=0.5", 6, 2, output_logits=True)
+    ids = torch.tensor([prompt + result.tokens[0][:-1]])
+    with torch.no_grad():
+        modes = route_modes(model, parse_schedule("router threshold=0.5"), ids[:, :24])
+        modes = torch.cat([modes, torch.full((1, ids.shape[1] - 24), Mode.ATTENTION, dtype=torch.int8)], 1)
+        want = model(ids, modes)[0, 23:]
+    assert (result.logits[0] - want).abs().max() < 1e-9

@@ -12,7 +12,6 @@ import torch
 
 from oryx_megatron.config import Mode
 from oryx_megatron.inference.checkpoint import load_model
-from oryx_megatron.parallel import destroy_parallel
 from oryx_megatron.train import pretrain
 from oryx_megatron.training.router import chunk_means, router_targets
 from tests.test_train import run_config
@@ -35,7 +34,6 @@ def posthoc(corpus, tiny_checkpoint, tmp_path_factory):
                      f"model.router_chunk_size={CHUNK}", "train.train_iters=12", "train.log_interval=4",
                      "optimizer.lr=3e-2", "router.calibration_batches=2")
     assert pretrain(run, str(tmp / "out")) == 0
-    destroy_parallel()
     return run, tmp
 
 
@@ -51,7 +49,6 @@ def test_targets_are_the_chunk_loss_differences_of_two_forwards(posthoc, tiny_ch
                     for mode in (Mode.LINEAR, Mode.ATTENTION)]
     by_hand = torch.stack([(per_mode[0] - per_mode[1])[:, c * CHUNK : (c + 1) * CHUNK].mean(1) for c in range(3)], 1)
     assert (benefit - by_hand).abs().max() < 1e-6 and count.tolist() == [[CHUNK] * 3] * 2
-    destroy_parallel()
 
 
 def test_posthoc_training_changes_the_router_only_and_calibrates_it(posthoc, tiny_checkpoint):
@@ -72,7 +69,6 @@ def test_posthoc_training_changes_the_router_only_and_calibrates_it(posthoc, tin
     assert trained.router.fc2.weight.abs().sum() > 0  # was zero at initialisation
     calibration = trained.router.calibration
     assert not calibration.isnan().any() and (calibration[1:] >= calibration[:-1]).all()
-    destroy_parallel()
 
 
 def test_oryx_generate_runs_a_router_budget_schedule(posthoc):
@@ -85,3 +81,51 @@ def test_oryx_generate_runs_a_router_budget_schedule(posthoc):
     fraction = float(next(line for line in out.stdout.splitlines() if line.startswith("attention-token fraction"))
                      .split()[-1])
     assert 0 <= fraction <= 0.25 + CHUNK / (27 + 35)  # the budget + one chunk of the 62 tokens fed
+
+
+def test_eval_tasks_add_a_router_row_and_curve(posthoc, tmp_path):
+    from oryx_megatron.eval.mode_switch import evaluate_mode_switch
+    from oryx_megatron.eval.ppl import evaluate_ppl
+    from oryx_megatron.inference.schedules import RouterSchedule
+
+    _, tmp = posthoc
+    model, run = load_model(str(tmp / "ckpt"))
+    router = RouterSchedule(budget=0.25)
+    rows = {r["schedule"]: r for r in evaluate_ppl(model, run, num_batches=2, batch_size=2, router=router)["rows"]}
+    assert set(rows) == {"all_attention", "all_linear", "random_chunks", "linear_then_attention", "router budget=0.25"}
+    assert rows["router budget=0.25"]["attention_fraction"] <= 0.25 + CHUNK / run.data.seq_length
+    assert rows["router budget=0.25"]["loss"] > 0
+    result = evaluate_mode_switch(model, run, tmp_path, num_batches=1, batch_size=2, router=router)
+    header = (tmp_path / "mode_switch.csv").read_text().splitlines()[0].split(",")
+    assert header[-1] == "loss_router budget=0.25" and len(result["rows"]) == 2
+
+
+def test_oryx_eval_refuses_a_bad_router_spec_in_one_line(posthoc):
+    _, tmp = posthoc
+    out = subprocess.run([sys.executable, "-m", "oryx_megatron.tools.evaluate", str(tmp / "ckpt"), "--task", "ppl",
+                          "--router", "budget=2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "oryx-eval: error: argument --router: inference schedule 'router budget=2.0': budget=2.0 is not in [0, 1]")
+
+
+def test_joint_routing_trains_the_router_holds_the_budget_price_and_resumes_exactly(corpus, tmp_path):
+    """router=joint: modes drawn from the router, straight-through: its weights change, the price of
+    attention rises while the drawn fraction exceeds the budget, and a resumed run continues exactly
+    (the draws come from the checkpointed RNG, the price from the checkpointed router)."""
+    both = ["router=joint", "model.router_hidden=8", f"model.router_chunk_size={CHUNK}", "router.budget=0.2",
+            "router.price_lr=0.5", "train.train_iters=6", "checkpoint.save_at_end=true", "optimizer.lr=1e-2"]
+    straight = run_config(corpus, tmp_path / "a", *both)
+    assert pretrain(straight, str(tmp_path / "a" / "out")) == 0
+    split = run_config(corpus, tmp_path / "b", *both, "train.exit_interval=3")
+    assert pretrain(split, str(tmp_path / "b" / "out")) == 0
+    assert pretrain(split, str(tmp_path / "b" / "out")) == 0
+    rows = {d: [json.loads(line) for line in (tmp_path / d / "out" / "metrics.jsonl").read_text().splitlines()]
+            for d in ("a", "b")}
+    losses = {d: [r["train/loss"] for r in rows[d] if "train/loss" in r] for d in rows}
+    assert len(losses["a"]) == 6 and losses["a"] == losses["b"]
+    prices = [r["router/price"] for r in rows["a"] if "router/price" in r]
+    fractions = [r["train/attention_fraction"] for r in rows["a"] if "train/attention_fraction" in r]
+    assert fractions[0] > 0.2 and prices[0] > 0  # p = 0.5 at first: more than the budget, so attention gets a price
+    trained, _ = load_model(str(tmp_path / "a" / "ckpt"))
+    assert trained.router.fc2.weight.abs().sum() > 0 and float(trained.router.price) == prices[-1]

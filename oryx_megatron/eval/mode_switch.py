@@ -34,7 +34,8 @@ from torch import Tensor
 
 from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import all_attention, all_linear, switch_at
-from oryx_megatron.eval.ppl import heldout_batches, token_losses
+from oryx_megatron.eval.ppl import schedule_batches, token_losses
+from oryx_megatron.inference.schedules import RouterSchedule
 from oryx_megatron.training.config import TrainConfig
 
 CURVES = ("all_attention", "all_linear", "attention_to_linear", "linear_to_attention")
@@ -83,16 +84,20 @@ def position_losses(losses: Tensor, mask: Optional[Tensor]) -> np.ndarray:
 
 
 def write_csv(curves: Dict[str, np.ndarray], path: Path) -> None:
+    """CSV_COLUMNS, then a column per extra curve (a router schedule's)."""
+    extra = [name for name in curves if name not in CURVES]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(CSV_COLUMNS)
+        writer.writerow(CSV_COLUMNS + tuple(f"loss_{name}" for name in extra))
         for p in range(len(curves[CURVES[0]])):
-            writer.writerow([p] + [f"{curves[name][p]:.6f}" for name in CURVES])
+            writer.writerow([p] + [f"{curves[name][p]:.6f}" for name in (*CURVES, *extra)])
 
 
 def draw_curves(ax, curves: Dict[str, np.ndarray], t: int) -> None:
-    """The four curves (single modes solid, switches dashed) and the switch position on ``ax``."""
-    for name, style in zip(CURVES, ("-", "-", "--", "--")):
+    """The four curves (single modes solid, switches dashed, extra ones dotted) and the switch position
+    on ``ax``."""
+    extra = [name for name in curves if name not in CURVES]
+    for name, style in zip((*CURVES, *extra), ("-", "-", "--", "--", *(":" for _ in extra))):
         x = np.flatnonzero(~np.isnan(curves[name]))  # the positions with a loss (answers_only: the answers)
         ax.plot(x, curves[name][x], style, label=name.replace("_", " "), linewidth=1.2)
     ax.axvline(t, color="gray", linestyle=":", label=f"switch at {t}")
@@ -111,20 +116,22 @@ def plot(curves: Dict[str, np.ndarray], t: int, path: Path) -> None:
 
 def evaluate_mode_switch(model, run: TrainConfig, out: Path, t: Optional[int] = None, num_batches: int = 8,
                          batch_size: int = 4, smooth_width: int = 16, tolerance: float = 0.1,
-                         answers_only: bool = False) -> dict:
-    """Curves of the four schedules at switch position ``t`` (default seq_length // 2); writes
-    ``out``/mode_switch.csv and .png; one row per switch direction. ``tolerance``: the
-    convergence band as a fraction of ``mode_gap``; ``answers_only``: score the loss mask's
-    positions only (module docstring)."""
+                         answers_only: bool = False, router: Optional[RouterSchedule] = None) -> dict:
+    """Curves of the four schedules at switch position ``t`` (default seq_length // 2), and of
+    ``router`` (a router schedule) beside them; writes ``out``/mode_switch.csv and .png; one row per
+    switch direction. ``tolerance``: the convergence band as a fraction of ``mode_gap``;
+    ``answers_only``: score the loss mask's positions only (module docstring)."""
     seq_len = run.data.seq_length
     t = seq_len // 2 if t is None else t
     if not 0 < t < seq_len:
         raise ValueError(f"switch position {t} must be inside the window (0 < t < seq_length={seq_len})")
     schedules = dict(zip(CURVES, (all_attention(), all_linear(), switch_at(t, Mode.ATTENTION, Mode.LINEAR),
                                   switch_at(t, Mode.LINEAR, Mode.ATTENTION))))
+    if router is not None:
+        schedules[str(router)] = router
     curves = {}
     for name, schedule in schedules.items():
-        batches = heldout_batches(run, num_batches, batch_size, schedule)
+        batches = schedule_batches(model, run, num_batches, batch_size, schedule)
         mask = torch.cat([b["loss_mask"] for b in batches]) if answers_only else None
         curves[name] = position_losses(token_losses(model, batches), mask)
     write_csv(curves, out / "mode_switch.csv")

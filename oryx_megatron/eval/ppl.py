@@ -8,7 +8,7 @@ reproduces the training eval's draws.
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -19,6 +19,8 @@ from oryx_megatron.data.modes import (
     ModeSchedule, RandomChunks, all_attention, all_linear, build_mode_schedule, linear_then_attention,
 )
 from oryx_megatron.data.shards import Manifest
+from oryx_megatron.inference.routing import route_modes
+from oryx_megatron.inference.schedules import RouterSchedule
 from oryx_megatron.training.builders import build_loader
 from oryx_megatron.training.config import TrainConfig
 
@@ -39,6 +41,22 @@ def document_reset_id(run: TrainConfig) -> Optional[int]:
     """The EOD id at which generation restarts every state, for a run trained with data.reset_at_eod
     (``generate(..., reset_at_eod=...)``); None for one trained across documents."""
     return dataset_vocab(run)[1] if run.data.reset_at_eod else None
+
+
+def schedule_batches(model, run: TrainConfig, num_batches: int, batch_size: int,
+                     schedule: Union[ModeSchedule, RouterSchedule]) -> List[Dict[str, Tensor]]:
+    """``heldout_batches`` under a data-layer schedule, or under a router schedule (the modes of one
+    routing pass over each batch, ``route_modes``)."""
+    if not isinstance(schedule, RouterSchedule):
+        return heldout_batches(run, num_batches, batch_size, schedule)
+    batches = heldout_batches(run, num_batches, batch_size, all_linear())
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for b in batches:
+            docs = b.get("document_ids")
+            b["modes"] = route_modes(model, schedule, b["tokens"].to(device),
+                                     None if docs is None else docs.to(device)).cpu()
+    return batches
 
 
 def heldout_batches(run: TrainConfig, num_batches: int, batch_size: int,
@@ -88,16 +106,17 @@ def _mean(values: Tensor) -> Optional[float]:
 
 
 def evaluate_ppl(model, run: TrainConfig, num_batches: int = 8, batch_size: int = 4,
-                 attention_last: Optional[int] = None) -> dict:
-    """Held-out loss and perplexity under each of ``ppl_schedules``; ``attention_last`` (default
-    seq_length // 8) is the attention tail of linear_then_attention. One row per schedule:
-    loss, perplexity = exp(loss), attention_fraction, loss over attention / linear tokens
-    (None when there are none)."""
+                 attention_last: Optional[int] = None, router: Optional[RouterSchedule] = None) -> dict:
+    """Held-out loss and perplexity under each of ``ppl_schedules`` (and ``router``, a router
+    schedule); ``attention_last`` (default seq_length // 8) is the attention tail of
+    linear_then_attention. One row per schedule: loss, perplexity = exp(loss), attention_fraction,
+    loss over attention / linear tokens (None when there are none)."""
     seq_len = run.data.seq_length
     attention_last = max(seq_len // 8, 1) if attention_last is None else attention_last
     rows = []
-    for name, schedule in ppl_schedules(run, attention_last).items():
-        batches = heldout_batches(run, num_batches, batch_size, schedule)  # the same windows each time
+    schedules = {**ppl_schedules(run, attention_last), **({str(router): router} if router else {})}
+    for name, schedule in schedules.items():
+        batches = schedule_batches(model, run, num_batches, batch_size, schedule)  # the same windows each time
         loss = token_losses(model, batches)
         attention = torch.cat([b["modes"] for b in batches]) == Mode.ATTENTION
         mean = float(loss.mean())

@@ -11,7 +11,7 @@ id; NIAH uses the EOD id as its needle marker, so a held-out haystack (EOD remov
 documents) never contains it.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -20,6 +20,8 @@ from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import ModeSchedule, all_attention, all_linear
 from oryx_megatron.data.tasks import mqar, niah
 from oryx_megatron.eval.ppl import dataset_vocab, heldout_batches
+from oryx_megatron.inference.routing import route_modes
+from oryx_megatron.inference.schedules import RouterSchedule
 from oryx_megatron.training.config import TrainConfig
 
 TASKS = ("mqar", "niah")
@@ -31,14 +33,19 @@ def id_range(vocab_size: int, reserved: int) -> Tuple[int, int]:
 
 
 @torch.no_grad()
-def answer_accuracy(model, sample: Dict[str, np.ndarray], schedule: ModeSchedule, vocab_size: int,
-                    batch_size: int) -> dict:
-    """Exact-match and per-token accuracy of the answers, and the attention fraction of the modes."""
+def answer_accuracy(model, sample: Dict[str, np.ndarray], schedule: Union[ModeSchedule, RouterSchedule],
+                    vocab_size: int, batch_size: int) -> dict:
+    """Exact-match and per-token accuracy of the answers, and the attention fraction of the modes (a
+    router schedule's: one routing pass over each sample)."""
     inputs, labels, mask = (torch.from_numpy(np.ascontiguousarray(sample[key]))
                             for key in ("inputs", "labels", "answer_mask"))  # [n, L]
     n, seq_len = inputs.shape
-    modes = schedule.batch(seq_len, range(n))  # int8 [n, L]
     device = next(model.parameters()).device
+    if isinstance(schedule, RouterSchedule):
+        modes = torch.cat([route_modes(model, schedule, inputs[i : i + batch_size].to(device)).cpu()
+                           for i in range(0, n, batch_size)])
+    else:
+        modes = schedule.batch(seq_len, range(n))  # int8 [n, L]
     correct = torch.cat([  # bool [n, L]
         model(inputs[i : i + batch_size].to(device), modes[i : i + batch_size].to(device))[..., :vocab_size]
         .argmax(-1).cpu() == labels[i : i + batch_size]
@@ -86,7 +93,7 @@ def build_task(task: str, run: TrainConfig, num_samples: int, seq_len: int, seed
 def evaluate_retrieval(model, run: TrainConfig, task: str, num_samples: int = 64, seq_len: Optional[int] = None,
                        batch_size: int = 8, seed: int = 0, haystack: str = "heldout",
                        num_pairs: Optional[int] = None, num_queries: Optional[int] = None, num_needles: int = 1,
-                       key_len: int = 2, value_len: int = 4) -> dict:
+                       key_len: int = 2, value_len: int = 4, router: Optional[RouterSchedule] = None) -> dict:
     """Accuracy of ``task`` ("mqar" or "niah") under all_attention, all_linear and mixed mode
     (one row each); ``seq_len``, ``num_pairs`` and ``num_queries`` default to the checkpoint's
     data.seq_length, data.mqar_num_pairs and data.mqar_num_queries."""
@@ -96,7 +103,8 @@ def evaluate_retrieval(model, run: TrainConfig, task: str, num_samples: int = 64
     sample, mixed, source = build_task(task, run, num_samples, seq_len, seed, haystack, num_pairs, num_queries,
                                        num_needles, key_len, value_len)
     vocab_size = dataset_vocab(run)[0]
-    schedules = {"all_attention": all_attention(), "all_linear": all_linear(), "mixed": mixed}
+    schedules = {"all_attention": all_attention(), "all_linear": all_linear(), "mixed": mixed,
+                 **({str(router): router} if router else {})}
     rows = [dict(schedule=name, **answer_accuracy(model, sample, schedule, vocab_size, batch_size))
             for name, schedule in schedules.items()]
     result = dict(task=task, num_samples=num_samples, seq_len=seq_len, seed=seed,

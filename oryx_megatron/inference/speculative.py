@@ -42,7 +42,9 @@ from oryx_megatron.inference.generation import (
     elapsed,
     schedule_prompts,
 )
+from oryx_megatron.inference.routing import ChunkDecisions
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
+from oryx_megatron.inference.schedules import RouterSchedule
 
 
 def accept_drafts(p: Tensor, q: Tensor, drafts: Tensor, sampler: Sampler) -> Tuple[int, int]:
@@ -116,10 +118,11 @@ def speculative_generate(
     reset_at_eod: Optional[int] = None,
 ) -> GenerationResult:
     """``generate`` for one prompt by self-speculative decoding with k = ``speculative_tokens`` drafts
-    per round (see the module docstring). The schedule gives the prompt's modes; every generated
-    token reads attention. Stats add ``drafted`` and ``accepted``; tokens_per_mode counts every
-    token fed, drafts and re-fed tokens included. reset_at_eod (as ``generate``'s): the prompt's
-    documents reset the states; a generated EOD ends the output (a stop token)."""
+    per round (see the module docstring). The schedule gives the prompt's modes (a router schedule:
+    its decisions for the prompt's chunks); every generated token reads attention. Stats add
+    ``drafted`` and ``accepted``; tokens_per_mode counts every token fed, drafts and re-fed tokens
+    included. reset_at_eod (as ``generate``'s): the prompt's documents reset the states; a generated
+    EOD ends the output (a stop token)."""
     if len(prompts) != 1:
         raise ValueError(f"speculative decoding supports batch 1 (one prompt), got {len(prompts)} prompts")
     k = speculative_tokens
@@ -135,8 +138,13 @@ def speculative_generate(
         caches = model.allocate_inference_cache(1, dtype, device, capacity=batch.capacity)
         start = time.perf_counter()
         prompt = batch.tokens[:, :n]
+        documents = prompt_documents(prompt, reset_at_eod)
+        if isinstance(batch.schedule, RouterSchedule):  # the prompt's chunks as the router decides them
+            decisions = ChunkDecisions(model, batch.schedule, 1, device)
+            batch.set_chunk_modes(0, decisions(model.route(prompt, decisions.chunk_size, documents)),
+                                  decisions.chunk_size)
         first = cached_logits(model, prompt, batch.mode_arg(0, n), caches, last_only=True,
-                              document_ids=prompt_documents(prompt, reset_at_eod))[0]  # [1, V]
+                              document_ids=documents)[0]  # [1, V]
         reset_documents(caches, prompt[:, -1], reset_at_eod)  # a prompt ending in EOD: the output starts a document
         tokens, logits = sampler(first).tolist(), [first]
         prefill_seconds, start = elapsed(start, device), time.perf_counter()

@@ -48,7 +48,9 @@ from oryx_megatron.ops import (
 
 logger = logging.getLogger(__name__)
 
-Modes = Union[Tensor, Mode, None]  # per token [b, s], one mode for every token, or None (single mixer)
+# per token [b, s] (int; or float: router weights, 0/1 in value, straight-through to the router), one mode for
+# every token, or None (single mixer)
+Modes = Union[Tensor, Mode, None]
 
 
 @dataclass
@@ -409,6 +411,8 @@ class MultiMixer(HeadSplitModule):
             return frozenset((modes,))
         if modes is None or not self.config.is_multi_mixer:
             return frozenset((Mode.ATTENTION,) if self.has_attention else (Mode.LINEAR,))
+        if modes.is_floating_point():  # router weights: both reads everywhere (``_select``)
+            return frozenset(Mode)
         return mode_reads(modes)[0]
 
     def _rotate(self, q: Tensor, k: Tensor, positions: Union[slice, Tensor], length: int) -> Tuple[Tensor, Tensor]:
@@ -464,7 +468,8 @@ class MultiMixer(HeadSplitModule):
                 document_ids = cache.key_document_ids(new)  # [b, offset + s]
         if Mode.ATTENTION not in reads:
             return None
-        read = None if isinstance(modes, Mode) or modes is None else mode_reads(modes)[1]  # [b, s]
+        dense = isinstance(modes, Mode) or modes is None or modes.is_floating_point()
+        read = None if dense else mode_reads(modes)[1]  # [b, s]
         return self.core_attention(q, k, v, read, document_ids)
 
     def _refuse_attention_without_kv_cache(self, reads: FrozenSet[Mode]) -> None:
@@ -482,6 +487,9 @@ class MultiMixer(HeadSplitModule):
             raise ValueError(f"modes [batch, seq] is required by a multi-mixer layer (mixers={self.config.mixers})")
         if len(outputs) == 1:  # every token reads the one computed
             return next(iter(outputs.values()))
+        if modes.is_floating_point():  # [b, s] router weights w: 0/1 in value, a gradient to the router
+            w = modes[:, :, None, None].to(outputs[Mode.LINEAR].dtype)
+            return outputs[Mode.LINEAR] + w * (outputs[Mode.ATTENTION] - outputs[Mode.LINEAR])
         attention = (modes == Mode.ATTENTION)[:, :, None, None]
         return torch.where(attention, outputs[Mode.ATTENTION], outputs[Mode.LINEAR])
 

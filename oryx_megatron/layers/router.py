@@ -47,6 +47,8 @@ class ChunkRouter(MegatronModule):
         # percentiles 0..100 of p(attention) over held-out chunks, written by router training: a budget's
         # threshold (NaN: not calibrated)
         self.register_buffer("calibration", torch.full((101,), torch.nan, dtype=torch.float64))
+        # joint training's price of attention (the budget term's weight, adapted to hold the budget)
+        self.register_buffer("price", torch.zeros((), dtype=torch.float64))
 
     def forward(self, features: Tensor) -> Tensor:
         b = features.shape[0]

@@ -18,6 +18,7 @@ from typing import List, Optional
 from oryx_megatron.eval.mode_switch import evaluate_mode_switch
 from oryx_megatron.eval.ppl import evaluate_ppl
 from oryx_megatron.eval.retrieval import evaluate_retrieval
+from oryx_megatron.inference.schedules import parse_schedule
 from oryx_megatron.tools.loading import add_model_arguments, load_checkpoint
 
 TASKS = ("ppl", "mode_switch", "mqar", "niah")
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_model_arguments(parser)
     parser.add_argument("--task", required=True, choices=TASKS)
+    parser.add_argument("--router", metavar="SPEC", help="also evaluate the model's router: 'budget=0.1' or "
+                                                         "'threshold=0.5' (a row, or a curve of mode_switch)")
     parser.add_argument("--out", default="eval", help="output directory (default ./eval)")
     parser.add_argument("--wandb", choices=("disabled", "offline", "online"), default="disabled",
                         help="also log the result to W&B (project oryx-megatron, job type eval)")
@@ -70,14 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_task(model, run, args: argparse.Namespace, out: Path) -> dict:
+    router = parse_schedule(f"router {args.router}") if args.router else None
     if args.task == "ppl":
-        return evaluate_ppl(model, run, args.num_batches, args.batch_size, args.attention_last)
+        return evaluate_ppl(model, run, args.num_batches, args.batch_size, args.attention_last, router)
     if args.task == "mode_switch":
         return evaluate_mode_switch(model, run, out, args.switch_at, args.num_batches, args.batch_size, args.smooth,
-                                    args.tolerance, args.answers_only)
+                                    args.tolerance, args.answers_only, router)
     return evaluate_retrieval(model, run, args.task, args.num_samples, args.seq_len, args.batch_size, args.seed,
                               args.haystack, args.num_pairs, args.num_queries, args.num_needles, args.key_len,
-                              args.value_len)
+                              args.value_len, router)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -86,6 +90,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in ("num_batches", "batch_size", "num_samples", "smooth"):
         if getattr(args, name) < 1:
             parser.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.router:
+        try:
+            parse_schedule(f"router {args.router}")
+        except ValueError as e:
+            parser.error(f"argument --router: {e}")
     model, run = load_checkpoint(parser, args)
     out = Path(args.out)
     created = not out.exists()

@@ -104,14 +104,17 @@ class LoggingConfig:
 @dataclass
 class RouterConfig:
     """The chunk router's training (docs/routing.md): ``router=posthoc`` fits the router of a trained,
-    frozen model (training/router.py); ``none``: ordinary pretraining."""
+    frozen model (training/router.py); ``router=joint`` trains it with the model, the router choosing
+    each chunk's mode (straight-through, a budget term; train.py); ``none``: ordinary pretraining."""
 
-    mode: str = "none"  # "none" | "posthoc"
+    mode: str = "none"  # "none" | "posthoc" | "joint"
     init_from: Optional[str] = None  # posthoc: the trained model (a checkpoint or a run's checkpoint.dir)
     objective: str = "classification"  # "classification" (targets at benefit_threshold) | "regression"
     benefit_threshold: float = 0.0  # nats: a chunk's target is attention where reading it lowers its mean loss more
     temperature: float = 0.1  # regression: the router's logit is fitted to (benefit - benefit_threshold) / temperature
     calibration_batches: int = 8  # held-out batches whose chunks calibrate the budget thresholds
+    budget: float = 0.1  # joint: the fraction of tokens to read attention; its price adapts to hold it
+    price_lr: float = 0.1  # joint: step of the budget's price (dual ascent on attention fraction - budget)
 
 
 @dataclass
@@ -134,7 +137,7 @@ CHOICES = {
     "optimizer.optimizer": ("adam", "sgd"),
     "optimizer.lr_decay_style": ("cosine", "linear", "constant", "WSD"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
-    "router.mode": ("none", "posthoc"),
+    "router.mode": ("none", "posthoc", "joint"),
     "router.objective": ("classification", "regression"),
 }
 
@@ -237,7 +240,15 @@ def _check_router(run: TrainConfig) -> None:
     if r.mode == "none":
         return
     if run.model.router_hidden is None:
-        raise ConfigError("config key 'model.router_hidden': router.mode=posthoc needs a router width (e.g. 64)")
+        raise ConfigError(f"config key 'model.router_hidden': router.mode={r.mode} needs a router width (e.g. 64)")
+    if r.mode == "joint":
+        if run.parallel.pipeline_model_parallel_size != 1:
+            raise ConfigError("config key 'router.mode': joint routing needs pipeline_model_parallel_size=1 (the "
+                              "router reads the first layer and its modes reach every layer)")
+        if not 0 < r.budget < 1 or r.price_lr < 0:
+            raise ConfigError(f"config keys 'router.budget' / 'router.price_lr': {r.budget} must be in (0, 1), "
+                              f"{r.price_lr} >= 0")
+        return
     if not r.init_from:
         raise ConfigError("config key 'router.init_from': router.mode=posthoc fits the router of a trained model: "
                           "give its checkpoint (or the run's checkpoint.dir)")
