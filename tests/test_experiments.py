@@ -32,8 +32,10 @@ EXPERIMENTS = {  # name: (row labels of one model, metrics, plot)
                         ["loss", "attention_fraction"], "loss.png"),
     "a2_sequence_mixing": RETRIEVAL,
     "niah": RETRIEVAL,
+    "routing_small": ({"all_linear", "all_attention", "oracle", "router@0.1", "random@0.1", "first@0.1", "last@0.1"},
+                      ["accuracy", "attention_fraction", "se"], "routing.png"),
 }
-ON_MQAR = ("e1_retrieval", "e3_mode_switch", "a2_sequence_mixing")  # the others train on a tokenized corpus
+ON_MQAR = ("e1_retrieval", "e3_mode_switch", "a2_sequence_mixing", "routing_small")  # the others: a tokenized corpus
 REUSING = ("e3_mode_switch", "niah")  # evaluate runs of an earlier experiment (E1's, E2's)
 
 
@@ -98,8 +100,9 @@ def test_smoke_experiment_writes_tables_and_plots(corpus, smoke_out, name):
         assert len(new) == len(exp.models) * runs_per_variant_and_model(exp)
         ablated = {r["run"] for r in results["rows"] if r["variant"] == list(exp.variants)[1]}
         assert ablated <= set(new)
-    else:
-        assert len(new) == len(exp.variants) * len(exp.models) * runs_per_variant_and_model(exp)
+    else:  # and a router fitted to every tested run
+        routers = len(exp.models) * len(exp.seeds) if exp.router is not None else 0
+        assert len(new) == len(exp.variants) * len(exp.models) * runs_per_variant_and_model(exp) + routers
 
 
 def test_e1_mixed_mode_reads_under_ten_percent_attention():

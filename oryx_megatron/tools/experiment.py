@@ -43,6 +43,7 @@ from oryx_megatron import RECIPES_DIR
 from oryx_megatron.eval import mode_switch
 from oryx_megatron.eval.ppl import evaluate_ppl
 from oryx_megatron.eval.retrieval import evaluate_retrieval
+from oryx_megatron.eval.routing import evaluate_routing
 from oryx_megatron.eval.validation import validation_loss
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.training.checkpointing import latest_checkpoint
@@ -57,9 +58,10 @@ EVALS = {  # task -> the function its `eval` arguments go to (after model, run[,
     "mode_switch": mode_switch.evaluate_mode_switch,
     "mqar": evaluate_retrieval,
     "niah": evaluate_retrieval,
+    "routing": evaluate_routing,  # a router per tested run (the experiment's `router` section)
 }
 ROW_LABELS = ("schedule", "switch")  # the column that names a row of an eval result
-SMOKE_KEYS = ("train", "eval", "seeds", "lrs", "validation")  # what a smoke section may replace or extend
+SMOKE_KEYS = ("train", "eval", "seeds", "lrs", "validation", "router")  # what a smoke section may replace or extend
 MIN_LR_RATIO = 0.1  # a swept run's optimizer.min_lr is this times its lr
 
 
@@ -89,6 +91,9 @@ class Experiment:
     lrs: List[float] = field(default_factory=list)  # optimizer.lr grid swept per (variant, model); []: no sweep
     sweep_seeds: Optional[List[int]] = None  # seeds of the sweep runs; None: the first of `seeds`
     validation: Validation = field(default_factory=Validation)
+    # oryx-train config (nested) of a post-hoc router fitted to every tested run (router=posthoc,
+    # init_from: that run's checkpoint); the evaluation then reads the model with its router
+    router: Optional[Dict[str, Any]] = None
     smoke: Dict[str, Any] = field(default_factory=dict)  # SMOKE_KEYS: merged in (train, eval) or replaced by --smoke
 
 
@@ -131,6 +136,8 @@ def apply_smoke(exp: Experiment, name: str) -> None:
     exp.seeds = list(exp.smoke.get("seeds", exp.seeds))
     exp.lrs = list(exp.smoke.get("lrs", exp.lrs))
     exp.validation = dataclasses.replace(exp.validation, **exp.smoke.get("validation", {}))
+    if exp.router is not None:
+        exp.router = OmegaConf.to_container(OmegaConf.merge(exp.router, exp.smoke.get("router", {})))
 
 
 def check_fairness(exp: Experiment, name: str) -> None:
@@ -286,6 +293,9 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
                 config = config + lr_overrides(lr)
             for seed in exp.seeds:
                 net, run, name = train_and_load(model, seed, config, out)
+                if exp.router is not None:  # its router, fitted to the frozen run
+                    fitted = ["router=posthoc", f"router.init_from={out / 'runs' / name / 'checkpoints'}"]
+                    net, run, name = train_and_load(model, seed, config + fitted + overrides(exp.router), out)
                 logger.info("testing %s", name)
                 eval_dir = exp_dir / "evals" / name
                 eval_dir.mkdir(parents=True, exist_ok=True)
@@ -300,7 +310,8 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
                    wall_time_s=round(time.perf_counter() - started, 1), summary=summary, rows=rows)
     (exp_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (exp_dir / "results.md").write_text(results_markdown(exp, summary, sweeps))
-    plot = plot_curves(exp, rows, exp_dir) if exp.eval["task"] == "mode_switch" else plot_bars(exp, summary, exp_dir)
+    plot = {"mode_switch": plot_curves, "routing": plot_fractions}.get(exp.eval["task"])
+    plot = plot(exp, rows, exp_dir) if plot else plot_bars(exp, summary, exp_dir)
     logger.info("wrote %s, results.md and %s (%.0f s)", exp_dir / "results.json", plot.name, results["wall_time_s"])
     return results
 
@@ -432,6 +443,34 @@ def plot_bars(exp: Experiment, summary: List[dict], exp_dir: Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = exp_dir / f"{metric}.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
+    """The first metric against the attention fraction (means over seeds): a line per kind of
+    schedule (router, random, first, last chunks), points for all_linear, all_attention and the
+    oracle; a panel per (variant, model)."""
+    from matplotlib.figure import Figure
+
+    metric = exp.metrics[0]
+    panels = list(dict.fromkeys((r["variant"], r["model"]) for r in rows))
+    fig = Figure(figsize=(5.5 * len(panels), 4.2))
+    axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
+    for ax, (variant, model) in zip(axes, panels):
+        mine = [r for r in rows if (r["variant"], r["model"]) == (variant, model)]
+        for kind in dict.fromkeys(r["kind"] for r in mine):
+            labels = list(dict.fromkeys(r["schedule"] for r in mine if r["kind"] == kind))
+            points = [(np.mean([r["attention_fraction"] for r in mine if r["schedule"] == label]),
+                       np.mean([r[metric] for r in mine if r["schedule"] == label])) for label in labels]
+            x, y = np.array(points).T
+            style = "o-" if kind in ("router", "random", "first", "last") else "s"
+            ax.plot(x, y, style, label=kind if kind != "all" else "all_linear / all_attention", markersize=5)
+        ax.set(xlabel="attention fraction (tokens)", title=model if len(exp.variants) == 1 else f"{model} ({variant})")
+    axes[0].set_ylabel(f"{metric} (mean over {len(exp.seeds)} seeds)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = exp_dir / "routing.png"
     fig.savefig(path, dpi=120)
     return path
 

@@ -257,8 +257,6 @@ def _check_router(run: TrainConfig) -> None:
         raise ConfigError("config key 'router.mode': posthoc router training runs at tensor and pipeline parallel "
                           f"size 1 (the router is small), got {p.tensor_model_parallel_size} and "
                           f"{p.pipeline_model_parallel_size}")
-    if not run.checkpoint.dir:
-        raise ConfigError("config key 'checkpoint.dir': router.mode=posthoc saves the model with its router there")
     if r.temperature <= 0 or r.calibration_batches < 1:
         raise ConfigError(f"config keys 'router.temperature' / 'router.calibration_batches': {r.temperature}, "
                           f"{r.calibration_batches} must be positive")

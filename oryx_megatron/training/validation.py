@@ -35,6 +35,8 @@ def validate_run(run: TrainConfig, world_size: int = None) -> None:
         _check_shards(run)
     elif run.data.format == "indexed":
         _check_indexed(run)
+    if run.router.mode == "posthoc" and not run.checkpoint.dir:
+        raise ConfigError("config key 'checkpoint.dir': router.mode=posthoc saves the model with its router there")
 
 
 def _launch_world_size() -> int:

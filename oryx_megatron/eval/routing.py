@@ -1,0 +1,81 @@
+"""Quality against attention fraction: the router's schedules beside the schedules that read the same
+fraction without it (docs/routing.md).
+
+For each budget B the router reads attention on some fraction f of the tokens (``router budget=B``);
+at that fraction f the baselines read: random chunks (each chunk attention with probability f),
+the first k and the last k chunks (k = f x chunks, rounded). Beside them all_linear, all_attention and,
+for MQAR, the oracle (the task's mixed schedule: attention on the query span). Rows are labelled by
+the budget they are matched to (``router@0.1``, ``random@0.1``, ...), so the same rows of every seed
+average.
+
+- ``quality="mqar"``: answer accuracy on the test set (``evaluate_retrieval``'s), ``se`` its standard
+  error over samples;
+- ``quality="ppl"``: held-out loss (``evaluate_ppl``'s windows), ``se`` its standard error over windows.
+"""
+
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from oryx_megatron.config import Mode
+from oryx_megatron.data.modes import Explicit, ModeSchedule, RandomChunks, all_attention, all_linear
+from oryx_megatron.eval.ppl import dataset_vocab, schedule_batches, token_losses
+from oryx_megatron.eval.retrieval import answer_accuracy, build_task
+from oryx_megatron.inference.schedules import RouterSchedule
+from oryx_megatron.training.config import TrainConfig
+
+QUALITIES = ("mqar", "ppl")
+
+
+def matched_baselines(fraction: float, chunk_size: int, seq_len: int) -> Dict[str, ModeSchedule]:
+    """The schedules reading ``fraction`` of the tokens without a router: random, first and last chunks."""
+    n = -(-seq_len // chunk_size)
+    k = min(n, round(fraction * n))
+    first = tuple([Mode.ATTENTION] * k + [Mode.LINEAR] * (n - k))
+    return {"random": RandomChunks(chunk_size=chunk_size, p_attention=min(max(fraction, 0.0), 1.0)),
+            "first": Explicit(chunk_modes=first, chunk_size=chunk_size),
+            "last": Explicit(chunk_modes=first[::-1], chunk_size=chunk_size)}
+
+
+def evaluate_routing(model, run: TrainConfig, quality: str = "mqar", budgets: Sequence[float] = (0.05, 0.1, 0.2),
+                     chunk_size: Optional[int] = None, num_samples: int = 512, batch_size: int = 64, seed: int = 0,
+                     num_pairs: Optional[int] = None, num_queries: Optional[int] = None,
+                     num_batches: int = 8) -> dict:
+    """One row per schedule: label, kind (all / oracle / router / random / first / last), budget (the
+    router budget a row is matched to), attention_fraction, and the quality (mqar: accuracy,
+    token_accuracy; ppl: loss) with its standard error ``se``."""
+    if quality not in QUALITIES:
+        raise ValueError(f"routing quality {quality!r}: expected one of {QUALITIES}")
+    chunk = chunk_size or run.model.router_chunk_size
+    seq_len = run.data.seq_length
+    if quality == "mqar":
+        sample, oracle, _ = build_task("mqar", run, num_samples, seq_len, seed, "random",
+                                       num_pairs or run.data.mqar_num_pairs, num_queries or run.data.mqar_num_queries,
+                                       1, 1, 1)
+        vocab = dataset_vocab(run)[0]
+
+        def measure(schedule) -> dict:
+            row = answer_accuracy(model, sample, schedule, vocab, batch_size)
+            return dict(row, se=float(np.sqrt(row["accuracy"] * (1 - row["accuracy"]) / num_samples)))
+    else:
+        oracle = None
+
+        def measure(schedule) -> dict:
+            batches = schedule_batches(model, run, num_batches, batch_size, schedule)
+            losses = token_losses(model, batches)  # [windows, s]
+            per_window = losses.mean(1)
+            attention = torch.cat([b["modes"] for b in batches]) == Mode.ATTENTION
+            return dict(loss=float(losses.mean()), se=float(per_window.std() / np.sqrt(len(per_window))),
+                        attention_fraction=float(attention.float().mean()))
+
+    rows: List[dict] = [dict(schedule=name, kind="all", budget=None, **measure(schedule))
+                        for name, schedule in (("all_linear", all_linear()), ("all_attention", all_attention()))]
+    if oracle is not None:
+        rows.append(dict(schedule="oracle", kind="oracle", budget=None, **measure(oracle)))
+    for budget in budgets:
+        routed = measure(RouterSchedule(budget=budget, chunk_size=chunk))
+        rows.append(dict(schedule=f"router@{budget:g}", kind="router", budget=budget, **routed))
+        for kind, schedule in matched_baselines(routed["attention_fraction"], chunk, seq_len).items():
+            rows.append(dict(schedule=f"{kind}@{budget:g}", kind=kind, budget=budget, **measure(schedule)))
+    return dict(task=f"routing/{quality}", chunk_size=chunk, budgets=list(budgets), seq_len=seq_len, rows=rows)
