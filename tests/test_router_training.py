@@ -129,3 +129,20 @@ def test_joint_routing_trains_the_router_holds_the_budget_price_and_resumes_exac
     assert fractions[0] > 0.2 and prices[0] > 0  # p = 0.5 at first: more than the budget, so attention gets a price
     trained, _ = load_model(str(tmp_path / "a" / "ckpt"))
     assert trained.router.fc2.weight.abs().sum() > 0 and float(trained.router.price) == prices[-1]
+
+
+def test_routing_evaluation_on_held_out_loss(posthoc):
+    """eval/routing.py's ppl quality: the router at a budget and the schedules reading its fraction."""
+    from oryx_megatron.eval.routing import evaluate_routing
+
+    _, tmp = posthoc
+    model, run = load_model(str(tmp / "ckpt"))
+    rows = {r["schedule"]: r for r in evaluate_routing(model, run, "ppl", budgets=[0.25], num_batches=1,
+                                                        batch_size=2)["rows"]}
+    assert set(rows) == {"all_linear", "all_attention", "router@0.25", "random@0.25", "first@0.25", "last@0.25"}
+    fraction = rows["router@0.25"]["attention_fraction"]
+    assert fraction <= 0.25 + CHUNK / run.data.seq_length
+    n = run.data.seq_length // CHUNK
+    assert rows["first@0.25"]["attention_fraction"] == pytest.approx(round(fraction * n) / n)
+    assert rows["all_attention"]["attention_fraction"] == 1 and rows["all_linear"]["attention_fraction"] == 0
+    assert all(r["loss"] > 0 and r["se"] >= 0 for r in rows.values())
