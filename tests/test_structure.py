@@ -11,7 +11,7 @@ from tests.distributed import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 # What each part of the library may import (besides itself and third-party packages):
-# ops <- layers <- models <- {training, inference} <- eval <- tools; data depends on nothing above it.
+# ops <- layers <- models <- {training, inference} <- {eval, hf} <- tools; data depends on nothing above it.
 FOUNDATION = {"config", "compat", "launch", "parallel"}
 ALLOWED = {
     "ops": set(),
@@ -26,7 +26,9 @@ ALLOWED = {
     "train": {"training", "models", "layers", "ops", "data"} | FOUNDATION,
     "inference": {"training", "models", "layers", "ops", "data"} | FOUNDATION,
     "eval": {"inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
-    "tools": {"eval", "inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
+    # Hugging Face interop: plain torch modules on the ops (no layers), conversion through models and training
+    "hf": {"inference", "training", "models", "ops", "data"} | FOUNDATION,
+    "tools": {"hf", "eval", "inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
 }
 
 

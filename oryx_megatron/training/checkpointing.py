@@ -406,9 +406,14 @@ def _load_optimizer(optimizer, state: dict) -> None:
     parameter state with torch's ``step`` entries held aside, because megatron's parameter-state load
     copies every entry of torch's state and the checkpoint keeps the step only in the param groups
     (KeyError 'step'); each parameter then gets its own step tensor (megatron gives all of them one,
-    which torch's Adam increments once per parameter)."""
+    which torch's Adam increments once per parameter). megatron's other optimizers save no step of 0
+    (a checkpoint of a run that never stepped, ``oryx-import``'s): its parameters get step 0."""
     over_torch_adam = _over_torch_adam(optimizer)
     if not over_torch_adam:
+        for opt_state in _per_optimizer(state):  # megatron saves no step of 0: torch's Adam needs one
+            for param_state in opt_state.get("optimizer", opt_state).get("state", {}).values():
+                if isinstance(param_state, dict) and "exp_avg" in param_state:
+                    param_state.setdefault("step", torch.tensor(0.0))
         optimizer.load_state_dict(state)
         return
     for opt, opt_state in zip(over_torch_adam, _per_optimizer(state)):

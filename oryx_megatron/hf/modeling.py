@@ -1,0 +1,270 @@
+"""``OryxForCausalLM``: an Oryx model (or a GDN / Mamba-2 baseline) as a transformers ``PreTrainedModel``.
+
+    model = AutoModelForCausalLM.from_pretrained(folder)          # after `import oryx_megatron.hf`
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)  # without the import
+    logits = model(ids, modes="linear").logits                    # modes: a Mode name, [b, s] per token, ...
+    out = model.generate(ids, schedule="prefill=linear decode=attention", max_new_tokens=32)
+
+The same model as megatron's ``OryxModel`` (embedding -> layers of RMSNorm, ``OryxMixer``, RMSNorm, SwiGLU
+-> RMSNorm -> tied output layer), computing with the same kernels (``oryx_megatron.ops``): fp32 logits
+equal megatron's within 1e-5 under every mode schedule (tests/test_hf.py).
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from oryx_megatron.config import Mode
+from oryx_megatron.data.documents import document_ids as count_documents
+from oryx_megatron.data.modes import parse_mode
+from oryx_megatron.hf.cache import OryxCache
+from oryx_megatron.hf.configuration import OryxHFConfig
+from oryx_megatron.hf.linear_mixers import LinearMixer
+from oryx_megatron.hf.mixer import OryxMixer, Reads, ShortConv
+from oryx_megatron.inference.schedules import as_inference_schedule
+
+ModesArg = Union[None, str, int, Mode, Tensor, np.ndarray]
+
+
+class OryxMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) (megatron's fused linear_fc1 is [gate; up])."""
+
+    def __init__(self, config: OryxHFConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OryxDecoderLayer(nn.Module):
+    """h = h + mixer(norm(h)); h = h + mlp(norm(h))."""
+
+    def __init__(self, config: OryxHFConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mixer = OryxMixer(config, layer_idx)
+        self.pre_mlp_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = OryxMLP(config)
+
+    def forward(self, hidden: Tensor, reads: Reads, cache: Optional[OryxCache], document_ids: Optional[Tensor]):
+        hidden = hidden + self.mixer(self.input_layernorm(hidden), reads, cache, document_ids)
+        return hidden + self.mlp(self.pre_mlp_layernorm(hidden))
+
+
+class OryxPreTrainedModel(PreTrainedModel):
+    config: OryxHFConfig
+    config_class = OryxHFConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["OryxDecoderLayer"]
+    _keep_in_fp32_modules_strict = ["linear_mixer"]  # A_log, dt_bias, D: fp32 under bf16, as in training
+    _is_stateful = True  # the recurrent state cannot be cropped: no assisted generation
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, (ShortConv, LinearMixer)):
+            module.reset_parameters()
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
+        """A no-op: the folder's ``auto_map`` names the modules that re-export this class
+        (``configuration.write_remote_code``), so ``save_pretrained`` must not copy this package's files."""
+
+
+class OryxRouter(nn.Module):
+    """The learned chunk router's weights (``oryx_megatron.layers.router.ChunkRouter``), carried so that a
+    folder imports back with them; this model does not route (docs/hf.md)."""
+
+    def __init__(self, config: OryxHFConfig):
+        super().__init__()
+        features = config.num_attention_heads * 2 * config.value_head_dim
+        self.fc1 = nn.Linear(features, config.router_hidden)
+        self.fc2 = nn.Linear(config.router_hidden, 1)
+        self.first = nn.Parameter(torch.zeros(1))
+        self.register_buffer("calibration", torch.full((101,), torch.nan, dtype=torch.float64))
+        self.register_buffer("price", torch.zeros((), dtype=torch.float64))
+
+
+class OryxModel(OryxPreTrainedModel):
+    """Embedding -> Oryx layers -> final RMSNorm: hidden states [b, s, hidden]."""
+
+    def __init__(self, config: OryxHFConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(OryxDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.router = OryxRouter(config) if config.router_hidden is not None else None
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids: Optional[Tensor] = None, modes: ModesArg = None, cache: Optional[OryxCache] = None,
+                document_ids: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None) -> Tensor:
+        """input_ids [b, s] (or inputs_embeds [b, s, hidden]); ``modes`` see ``OryxForCausalLM.forward``;
+        ``document_ids`` [b, s]: packed documents (derived from the EOD token when the model was trained with
+        ``reset_at_eod``)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s = hidden.shape[:2]
+        eod = self.config.reset_at_eod_token_id
+        if eod is not None and input_ids is not None:
+            if cache is not None and cache.last_tokens is not None:
+                cache.start_documents(cache.last_tokens == eod)  # the token after an EOD starts a document
+            if document_ids is None and not (cache is not None and cache.seqlen > 0 and s == 1):
+                document_ids = count_documents(input_ids, eod)
+        reads = self._reads(modes, b, s, 0 if cache is None else cache.seqlen, hidden.device)
+        for layer in self.layers:
+            hidden = layer(hidden, reads, cache, document_ids)
+        if cache is not None:
+            cache.advance(s, None if input_ids is None else input_ids[:, -1], document_ids)
+        return self.norm(hidden)
+
+    def _reads(self, modes: ModesArg, b: int, s: int, offset: int, device) -> Reads:
+        """``modes`` as ``Reads``: None -> ``config.default_mode``; a mode name or Mode -> every token; a schedule
+        text -> its modes of the fed positions [offset, offset + s) as one prompt; [s] or [b, s] -> per token.
+        A single-mixer model reads its one mixer whatever ``modes`` says (as megatron's)."""
+        if not self.config.is_multi_mixer:
+            return Reads(Mode.LINEAR, frozenset((Mode.LINEAR,)))
+        modes = self.config.default_mode if modes is None else modes
+        if isinstance(modes, str):
+            try:
+                modes = parse_mode(modes, "modes")
+            except ValueError:
+                schedule = as_inference_schedule(modes)
+                modes = schedule.position_modes(offset + s, offset + s)[offset:]
+        if isinstance(modes, (int, np.integer, Mode)):
+            mode = parse_mode(int(modes), "modes")
+            return Reads(mode, frozenset((mode,)))
+        modes = torch.as_tensor(modes, device=device).long()
+        modes = modes.expand(b, s) if modes.dim() == 1 else modes
+        if modes.shape != (b, s):
+            raise ValueError(f"modes has shape {tuple(modes.shape)}; expected [batch, seq] = [{b}, {s}] or [{s}]")
+        read = frozenset(parse_mode(int(m), "modes") for m in torch.unique(modes).tolist())
+        if len(read) == 1:
+            mode = next(iter(read))
+            return Reads(mode, read)
+        return Reads(modes, read, modes == Mode.ATTENTION)
+
+
+@dataclass
+class OryxCausalLMOutput(ModelOutput):
+    """loss (given labels), logits [b, s, vocab] (the last ``logits_to_keep`` positions), the cache."""
+
+    loss: Optional[Tensor] = None
+    logits: Optional[Tensor] = None
+    cache: Optional[OryxCache] = None
+
+    @property
+    def past_key_values(self) -> Optional[OryxCache]:
+        return self.cache
+
+
+class OryxForCausalLM(OryxPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: OryxHFConfig):
+        super().__init__(config)
+        self.model = OryxModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+        self.generation_config.use_cache = True  # generate keeps an OryxCache; a plain forward keeps none
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def allocate_cache(self, batch_size: int, kv_cache: bool = True) -> OryxCache:
+        """An empty cache for ``batch_size`` sequences in the model's dtype and device (``kv_cache=False``:
+        none of keys and values, for linear-only inference)."""
+        weight = self.model.embed_tokens.weight
+        return OryxCache(self.config, batch_size, weight.dtype, weight.device, kv_cache)
+
+    def forward(self, input_ids: Optional[Tensor] = None, modes: ModesArg = None,
+                past_key_values: Optional[OryxCache] = None, use_cache: Optional[bool] = None,
+                labels: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                document_ids: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None,
+                logits_to_keep: int = 0, cache: Optional[OryxCache] = None, **kwargs) -> OryxCausalLMOutput:
+        """input_ids [b, s]. ``modes``: what each token reads: None (``config.default_mode``), ``"attention"``
+        / ``"linear"`` (a Mode), [b, s] or [s] per token (0 linear, 1 attention), or a schedule text of the
+        project's vocabulary (``"all_linear"``, ``"random_chunks chunk_size=64"``: the fed tokens as one
+        prompt). ``past_key_values`` (or ``cache``): an ``OryxCache`` the tokens continue; ``use_cache``
+        (default ``config.use_cache``, False; generate passes True) makes one when none is given. ``labels``
+        [b, s]: the mean next-token loss (shifted inside).
+        ``attention_mask`` must hold no padding (every token enters the recurrent state)."""
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("attention_mask marks padding: an Oryx model reads every token into its recurrent "
+                             "state; pass unpadded sequences of one length")
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        b = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        if cache is not None and not isinstance(cache, OryxCache):
+            if cache.get_seq_length() > 0:
+                raise TypeError(f"past_key_values is a {type(cache).__name__} holding tokens; "
+                                "OryxForCausalLM continues only an OryxCache")
+            cache = None
+        if cache is None and use_cache:
+            cache = self.allocate_cache(b)
+        hidden = self.model(input_ids, modes, cache, document_ids, inputs_embeds)
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      num_items_in_batch=kwargs.get("num_items_in_batch"))
+        return OryxCausalLMOutput(loss, logits, cache)
+
+    # ---- generation ----
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model makes its own OryxCache
+
+    def generate(self, inputs: Optional[Tensor] = None, schedule=None, **kwargs):
+        """transformers' ``generate`` with ``schedule``: the mode of every fed position, in the project's
+        vocabulary (``oryx_megatron.inference.schedules``: ``"all_linear"``, ``"prefill=linear
+        decode=attention"``, ``"linear:0-100,attention:100-"``, ...), the prompt being ``inputs``; default: every
+        token reads ``config.default_mode``. A model trained with ``reset_at_eod`` restarts its states after
+        each EOD token, of the prompt or generated."""
+        if schedule is not None:
+            ids = inputs if inputs is not None else kwargs["input_ids"]
+            config = kwargs.get("generation_config") or self.generation_config
+            new = kwargs.get("max_new_tokens", config.max_new_tokens)
+            if new is None:
+                new = kwargs.get("max_length", config.max_length) - ids.shape[1]
+            positions = as_inference_schedule(schedule).position_modes(ids.shape[1], ids.shape[1] + max(new, 1) - 1)
+            kwargs["modes"] = torch.from_numpy(positions).to(ids.device).expand(ids.shape[0], -1).contiguous()
+        return super().generate(inputs, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids: Tensor, cache: Optional[OryxCache] = None,
+                                      past_key_values: Optional[OryxCache] = None, modes: Optional[Tensor] = None,
+                                      use_cache: Optional[bool] = None, attention_mask: Optional[Tensor] = None,
+                                      **kwargs) -> dict:
+        """The tokens the cache has not absorbed yet (all of them without a cache) and their modes (``modes``
+        [b, positions] of ``generate``'s schedule, its last mode repeated past its end)."""
+        cache = cache if cache is not None else past_key_values
+        start = 0 if not isinstance(cache, OryxCache) else cache.seqlen
+        inputs = {"input_ids": input_ids[:, start:], "cache": cache, "use_cache": use_cache,
+                  "attention_mask": attention_mask}
+        if modes is not None:
+            end = input_ids.shape[1]
+            if modes.shape[1] < end:
+                modes = torch.cat([modes, modes[:, -1:].expand(-1, end - modes.shape[1])], dim=1)
+            inputs["modes"] = modes[:, start:end]
+        return inputs

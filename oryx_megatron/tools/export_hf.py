@@ -1,0 +1,78 @@
+"""oryx-export: a training checkpoint (any TP/PP layout) as a Hugging Face transformers folder (docs/hf.md).
+
+    oryx-export hf runs/demo/checkpoints runs/demo/hf --dtype bfloat16
+
+Writes config.json, model.safetensors (sharded above --max-shard-size), generation_config.json, the
+dataset's tokenizer (tokenizer.json, tokenizer_config.json) and a README model card; Oryx models also carry
+configuration_oryx.py and modeling_oryx.py (trust_remote_code=True), the Transformer is a stock Llama.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from data_prep import PrepError
+from data_prep.tokenizer import ByteTokenizer
+from oryx_megatron.inference.checkpoint import resolve_checkpoint
+from oryx_megatron.tools.loading import DTYPES, dataset_tokenizer, load_checkpoint
+from oryx_megatron.training.checkpointing import load_common
+
+NEEDS = "needs transformers and safetensors: pip install 'oryx-megatron[hf]'"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oryx-export", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    formats = parser.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    hf = formats.add_parser("hf", help="a transformers model folder")
+    hf.add_argument("checkpoint", help="a checkpoint dir (iter_NNNNNNN) or a run's checkpoint.dir (uses 'latest')")
+    hf.add_argument("out_dir", help="the folder to write (replaced if it exists)")
+    hf.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: the run's training dtype); "
+                                                            "A_log, dt_bias and D stay float32")
+    hf.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the dataset's)")
+    hf.add_argument("--metrics", type=Path, help="the run's metrics.jsonl: held-out losses for the model card "
+                                                 "(default: logging.output_dir's, when the run set it)")
+    hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    return parser
+
+
+def tokenizer_files(run, spec: Optional[str]):
+    """The run's tokenizer as ``TokenizerFiles`` (None for synthetic MQAR data, which has none)."""
+    from oryx_megatron.hf.export import TokenizerFiles
+
+    if spec is None and run.data.format == "mqar":
+        return None
+    tokenizer = dataset_tokenizer(run, spec)
+    path = None if isinstance(tokenizer, ByteTokenizer) else tokenizer.path
+    eod_token = getattr(tokenizer, "eod_token", None) or "<|endoftext|>"
+    return TokenizerFiles(path, eod_token, tokenizer.eod_id, tokenizer.vocab_size)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        from oryx_megatron.hf.export import export_model, heldout_losses
+    except ImportError as e:
+        parser.error(f"{NEEDS} ({e})")
+    written = args.dtype
+    args.device, args.dtype = "cpu", "float32"  # load_checkpoint's: loaded in fp32, then written in `written`
+    model, run = load_checkpoint(parser, args)
+    iteration = int(load_common(resolve_checkpoint(args.checkpoint))["iteration"])
+    dtype = DTYPES[written or ("bfloat16" if run.train.bf16 else "float32")]
+    metrics = args.metrics
+    if metrics is None and run.logging.output_dir and (Path(run.logging.output_dir) / "metrics.jsonl").exists():
+        metrics = Path(run.logging.output_dir) / "metrics.jsonl"
+    try:
+        tokenizer = tokenizer_files(run, args.tokenizer)
+        heldout = heldout_losses(metrics, iteration) if metrics is not None else {}
+        out = export_model(model, run, Path(args.out_dir), dtype, tokenizer, iteration, heldout, args.max_shard_size)
+    except (OSError, ValueError, PrepError) as e:
+        parser.error(str(e))
+    print(f"wrote {out} ({run.model.family}, iteration {iteration}, {str(dtype).replace('torch.', '')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
