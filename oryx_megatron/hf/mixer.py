@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import initialization as init
 
@@ -26,7 +25,7 @@ from oryx_megatron.config import Mode
 from oryx_megatron.hf.cache import OryxCache, OryxLayerCache
 from oryx_megatron.hf.layout import conv_streams, mixer_streams
 from oryx_megatron.hf.linear_mixers import LINEAR_MIXERS
-from oryx_megatron.ops import apply_rotary, decode_attention, get_kernels, rotary_table, upcast
+from oryx_megatron.ops import apply_rotary, decode_attention, get_kernels, kv_gate, rotary_table, upcast
 
 QUERY_BLOCK = 128  # query positions per block of the block-sparse attention read (megatron's SDPAttention)
 
@@ -153,9 +152,8 @@ class OryxMixer(nn.Module):
         """k *= gate(W_KG x), v *= gate(W_VG x) with ``kv_gate`` (in fp32 or wider)."""
         if self.config.kv_gate == "none":
             return
-        gate = torch.sigmoid if self.config.kv_gate == "sigmoid" else F.silu
         for name in ("k", "v"):
-            x[name] = (upcast(x[name]) * gate(upcast(x[f"{name}_gate"]))).to(x[name].dtype)
+            x[name] = kv_gate(x[name], x[f"{name}_gate"], self.config.kv_gate)
 
     def _rotate(self, q: Tensor, k: Tensor, positions, length: int) -> Tuple[Tensor, Tensor]:
         """Rotary embedding (rotate-half) of q, k [b, s, h, d_k] at ``positions`` (a slice, or [s])."""

@@ -43,7 +43,7 @@ from oryx_megatron.config import Mode, OryxConfig
 from oryx_megatron.layers.head_split import HeadSplitModule
 from oryx_megatron.layers.linear_mixers import LINEAR_MIXER_CLASSES
 from oryx_megatron.ops import (
-    apply_rotary, attention_at, decode_attention, get_kernels, once_per_tensor, rotary_table, upcast,
+    apply_rotary, attention_at, decode_attention, get_kernels, kv_gate, once_per_tensor, rotary_table, upcast,
 )
 
 logger = logging.getLogger(__name__)
@@ -400,9 +400,8 @@ class MultiMixer(HeadSplitModule):
         """k *= gate(W_KG x), v *= gate(W_VG x) with ``kv_gate`` (in fp32 or wider)."""
         if self.config.kv_gate == "none":
             return
-        gate = torch.sigmoid if self.config.kv_gate == "sigmoid" else F.silu
         for name in ("k", "v"):
-            x[name] = (upcast(x[name]) * gate(upcast(x[f"{name}_gate"]))).to(x[name].dtype)
+            x[name] = kv_gate(x[name], x[f"{name}_gate"], self.config.kv_gate)
 
     def _reads(self, modes: Modes) -> FrozenSet[Mode]:
         """The modes some token reads: without a host sync for a Mode or a single mixer, with one per

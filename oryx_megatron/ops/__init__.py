@@ -24,7 +24,7 @@ from .attention import attention_at, block_sparse_causal_attention, causal_atten
 from .conv import causal_conv1d, causal_conv1d_step
 from .gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
 from .memo import once_per_tensor
-from .norm import gated_rms_norm, upcast
+from .norm import gated_rms_norm, kv_gate, upcast
 from .rotary import apply_rotary, rotary_cos_sin, rotary_table
 from .ssd import ssd_chunk_scan, ssd_step
 
@@ -144,4 +144,5 @@ __all__ = [
     "rotary_cos_sin",
     "rotary_table",
     "upcast",
+    "kv_gate",
 ]

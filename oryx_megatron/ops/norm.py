@@ -23,3 +23,10 @@ def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-5) -
     y32 = y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)
     y32 = y32 * upcast(weight).view(y.shape[-2], y.shape[-1]) * F.silu(upcast(gate))
     return y32.to(y.dtype)
+
+
+def kv_gate(x: Tensor, gate_input: Tensor, kind: str) -> Tensor:
+    """x * gate(gate_input) in fp32 (or wider), in x's dtype: the multiplicative gate of the shared keys
+    and values (``kv_gate``: "sigmoid" or "silu")."""
+    gate = torch.sigmoid if kind == "sigmoid" else F.silu
+    return (upcast(x) * gate(upcast(gate_input))).to(x.dtype)
