@@ -13,7 +13,8 @@ import torch
 from oryx_megatron.config import Mode
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.train import pretrain
-from oryx_megatron.training.router import chunk_means, router_targets
+from oryx_megatron.training.config import RouterConfig
+from oryx_megatron.training.router import chunk_means, router_loss, router_targets
 from tests.test_train import run_config
 
 CHUNK = 16
@@ -24,6 +25,19 @@ def test_chunk_means_by_hand():
     mask = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.float64)
     means, count = chunk_means(values, mask, 4)
     assert count.tolist() == [[3, 4, 0]] and means.tolist() == [[(0 + 1 + 3) / 3, (4 + 5 + 6 + 7) / 4, 0]]
+
+
+def test_a_chunk_without_loss_masked_tokens_teaches_the_router_linear():
+    """A recall task masks the loss to its answers: the chunks of keys and values carry no benefit of
+    their own and must count as linear targets, else the router only ever sees the answers' chunks
+    (all targets) and learns p = 1 everywhere."""
+    logits = torch.zeros(1, 3, requires_grad=True)
+    benefit, count = torch.tensor([[0.0, 0.5, 0.01]]), torch.tensor([[0, 2, 2]])
+    loss, target = router_loss(logits, benefit, count, RouterConfig(objective="classification", benefit_threshold=0.05))
+    loss.backward()
+    assert target.tolist() == [[False, True, False]]
+    assert abs(loss.item() - torch.log(torch.tensor(2.0)).item()) < 1e-6  # BCE at p = 0.5, every chunk
+    assert logits.grad[0].tolist() == pytest.approx([0.5 / 3, -0.5 / 3, 0.5 / 3])  # pushed down, up, down
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,17 @@ Per batch, top to bottom (``RouterTrainer.step``):
    per-token losses; a chunk's **benefit** is the mean over its loss-masked tokens of the linear loss
    minus the attention loss (both memories absorb every token, so the two reads see the same context);
 2. one routing pass (the router's logits from the first layer's reads at each chunk end, causal);
-3. the router's loss: binary cross entropy against target = benefit > ``benefit_threshold``
-   (``classification``), or the squared error of the logit against (benefit - benefit_threshold) /
-   ``temperature`` (``regression``): either way p >= 0.5 where the benefit is predicted above the
-   threshold;
+3. the router's loss over every chunk (``router_loss``): binary cross entropy against target =
+   benefit > ``benefit_threshold`` (``classification``), or the squared error of the logit against
+   (benefit - benefit_threshold) / ``temperature`` (``regression``): either way p >= 0.5 where the
+   benefit is predicted above the threshold. A chunk without loss-masked tokens (the keys and values
+   of a recall task) has benefit 0 and is never a target: attention there pays nothing of its own;
 4. an AdamW step on the router's parameters (the model's stay as trained).
 
-Logged every ``train.log_interval`` steps: router/loss, router/attention_fraction (tokens of chunks
-with p >= 0.5), router/target_fraction, router/precision and router/recall against the targets,
-and the LM loss at the router's fraction (router/loss_routed, a third forward with the router's
-modes) beside router/loss_linear and router/loss_attention. At the end the router is calibrated on
+Logged every ``train.log_interval`` steps: router/loss, router/attention_fraction (of all tokens:
+those in chunks with p >= 0.5), router/target_fraction, router/precision and router/recall against
+the targets, and the LM loss at the router's fraction (router/loss_routed, a third forward with the
+router's modes) beside router/loss_linear and router/loss_attention. At the end the router is calibrated on
 held-out chunks (the percentiles of p: the thresholds ``router budget=B`` reads) and the model is
 saved as a checkpoint of the run (model weights, router included; no optimizer state: a post-hoc
 run is short and starts again rather than resumes).
@@ -115,28 +116,23 @@ class RouterTrainer:
         batch = {key: t.to(self.device) for key, t in batch.items()}
         benefit, count, losses = router_targets(self.model, batch, self.chunk)
         logits = self.model.route(batch["tokens"], self.chunk, batch.get("document_ids"))[:, : benefit.shape[1]]
-        r = self.run.router
-        target = benefit > r.benefit_threshold
-        if r.objective == "classification":
-            per_chunk = F.binary_cross_entropy_with_logits(logits.float(), target.float(), reduction="none")
-        else:
-            per_chunk = (logits.float() - (benefit - r.benefit_threshold) / r.temperature) ** 2
-        counted = count > 0
-        loss = (per_chunk * counted).sum() / counted.sum().clamp_min(1)
+        loss, target = router_loss(logits, benefit, count, self.run.router)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
-        attend = (logits.detach() >= 0) & counted  # p >= 0.5
+        attend = logits.detach() >= 0  # p >= 0.5
         with torch.no_grad():  # the LM loss at the router's fraction: a forward with its modes
             modes = torch.where(attend, Mode.ATTENTION, Mode.LINEAR).to(torch.int8)
             modes = modes.repeat_interleave(self.chunk, dim=1)[:, : batch["tokens"].shape[1]]
             routed = self.model(batch["tokens"], modes, labels=batch["labels"],
                                 document_ids=batch.get("document_ids")).float()
-        mask, target = batch["loss_mask"].float(), target & counted
+        mask, seq = batch["loss_mask"].float(), batch["tokens"].shape[1]
+        size = (seq - self.chunk * torch.arange(logits.shape[1], device=logits.device)).clamp(max=self.chunk)
         return torch.stack([
-            loss.detach() * counted.sum(), counted.sum(),  # router loss x chunks, chunks
-            (attend * count).sum(), (target * count).sum(), count.sum(),  # tokens: routed, target, all
+            loss.detach() * logits.numel(), logits.new_tensor(logits.numel()),  # router loss x chunks, chunks
+            (attend * size).sum(), (target * size).sum(), logits.new_tensor(logits.shape[0] * seq),  # tokens
             (attend & target).sum(), attend.sum(), target.sum(),  # chunks: both, routed, target
+            count.sum(),  # loss-masked tokens
             *((t * mask).sum() for t in (routed, losses[Mode.LINEAR], losses[Mode.ATTENTION])),  # LM loss sums
         ]).double().cpu()
 
@@ -155,12 +151,24 @@ class RouterTrainer:
         return torch.quantile(torch.cat(probs), torch.linspace(0, 1, 101, dtype=torch.float64))
 
 
-METRIC_SUMS = 11  # the length of RouterTrainer.step's sums
+METRIC_SUMS = 12  # the length of RouterTrainer.step's sums
+
+
+def router_loss(logits: Tensor, benefit: Tensor, count: Tensor, r) -> Tuple[Tensor, Tensor]:
+    """(the router's loss, mean over every chunk; its targets [b, n] bool) from its logits [b, n], the
+    chunks' benefits [b, n] and loss-masked token counts [b, n] (``router_targets``); ``r`` is the
+    run's ``router`` config. A chunk without loss-masked tokens (benefit 0) is never a target."""
+    target = (benefit > r.benefit_threshold) & (count > 0)
+    if r.objective == "classification":
+        per_chunk = F.binary_cross_entropy_with_logits(logits.float(), target.float(), reduction="none")
+    else:
+        per_chunk = (logits.float() - (benefit - r.benefit_threshold) / r.temperature) ** 2
+    return per_chunk.mean(), target
 
 
 def router_metrics(sums: Tensor) -> Dict[str, float]:
     """The logged metrics from the summed step sums."""
-    (loss, chunks, routed_tokens, target_tokens, tokens, hits, routed_chunks, target_chunks,
+    (loss, chunks, routed_tokens, target_tokens, tokens, hits, routed_chunks, target_chunks, loss_tokens,
      routed, linear, attention) = sums.tolist()
     return {
         "router/loss": loss / max(chunks, 1),
@@ -168,9 +176,9 @@ def router_metrics(sums: Tensor) -> Dict[str, float]:
         "router/target_fraction": target_tokens / max(tokens, 1),
         "router/precision": hits / routed_chunks if routed_chunks else float("nan"),
         "router/recall": hits / target_chunks if target_chunks else float("nan"),
-        "router/loss_routed": routed / max(tokens, 1),
-        "router/loss_linear": linear / max(tokens, 1),
-        "router/loss_attention": attention / max(tokens, 1),
+        "router/loss_routed": routed / max(loss_tokens, 1),
+        "router/loss_linear": linear / max(loss_tokens, 1),
+        "router/loss_attention": attention / max(loss_tokens, 1),
     }
 
 
