@@ -32,7 +32,8 @@ EXPERIMENTS = {  # name: (row labels of one model, metrics, plot)
                         ["loss", "attention_fraction"], "loss.png"),
     "a2_sequence_mixing": RETRIEVAL,
     "niah": RETRIEVAL,
-    "routing_small": ({"all_linear", "all_attention", "oracle", "router@0.1", "random@0.1", "first@0.1", "last@0.1"},
+    "routing_small": ({"all_linear", "all_attention", "oracle", *(f"{k}@{tag}" for k in ("router", "random", "first", "last")
+                                                                    for tag in ("0.1", "p0.5"))},
                       ["accuracy", "attention_fraction", "se"], "routing.png"),
 }
 ON_MQAR = ("e1_retrieval", "e3_mode_switch", "a2_sequence_mixing", "routing_small")  # the others: a tokenized corpus

@@ -151,9 +151,13 @@ def test_routing_evaluation_on_held_out_loss(posthoc):
 
     _, tmp = posthoc
     model, run = load_model(str(tmp / "ckpt"))
-    rows = {r["schedule"]: r for r in evaluate_routing(model, run, "ppl", budgets=[0.25], num_batches=1,
-                                                        batch_size=2)["rows"]}
-    assert set(rows) == {"all_linear", "all_attention", "router@0.25", "random@0.25", "first@0.25", "last@0.25"}
+    rows = {r["schedule"]: r for r in evaluate_routing(model, run, "ppl", budgets=[0.25], thresholds=[0.0],
+                                                        num_batches=1, batch_size=2)["rows"]}
+    assert set(rows) == {"all_linear", "all_attention", "router@0.25", "random@0.25", "first@0.25", "last@0.25",
+                         "router@p0", "random@p0", "first@p0", "last@p0"}
+    for label in ("router@p0", "first@p0"):  # p >= 0 everywhere: every chunk reads attention
+        assert rows[label]["attention_fraction"] == 1 and rows[label]["loss"] == pytest.approx(rows["all_attention"]["loss"])
+    assert rows["router@p0"]["threshold"] == 0.0 and rows["router@p0"]["budget"] is None
     fraction = rows["router@0.25"]["attention_fraction"]
     assert fraction <= 0.25 + CHUNK / run.data.seq_length
     n = run.data.seq_length // CHUNK

@@ -1,12 +1,13 @@
 """Quality against attention fraction: the router's schedules beside the schedules that read the same
 fraction without it (docs/routing.md).
 
-For each budget B the router reads attention on some fraction f of the tokens (``router budget=B``);
-at that fraction f the baselines read: random chunks (each chunk attention with probability f),
+For each budget B the router reads attention on some fraction f of the tokens (``router budget=B``),
+and so for each threshold P (``router threshold=P``: its own decisions, no calibration); at that
+fraction f the baselines read: random chunks (each chunk attention with probability f),
 the first k and the last k chunks (k = f x chunks, rounded). Beside them all_linear, all_attention and,
 for MQAR, the oracle (the task's mixed schedule: attention on the query span). Rows are labelled by
-the budget they are matched to (``router@0.1``, ``random@0.1``, ...), so the same rows of every seed
-average.
+the budget or threshold they are matched to (``router@0.1``, ``random@0.1``, ``router@p0.5``, ...), so
+the same rows of every seed average.
 
 - ``quality="mqar"``: answer accuracy on the test set (``evaluate_retrieval``'s), ``se`` its standard
   error over samples;
@@ -39,11 +40,11 @@ def matched_baselines(fraction: float, chunk_size: int, seq_len: int) -> Dict[st
 
 
 def evaluate_routing(model, run: TrainConfig, quality: str = "mqar", budgets: Sequence[float] = (0.05, 0.1, 0.2),
-                     chunk_size: Optional[int] = None, num_samples: int = 512, batch_size: int = 64, seed: int = 0,
+                     thresholds: Sequence[float] = (), chunk_size: Optional[int] = None, num_samples: int = 512, batch_size: int = 64, seed: int = 0,
                      num_pairs: Optional[int] = None, num_queries: Optional[int] = None,
                      num_batches: int = 8) -> dict:
-    """One row per schedule: label, kind (all / oracle / router / random / first / last), budget (the
-    router budget a row is matched to), attention_fraction, and the quality (mqar: accuracy,
+    """One row per schedule: label, kind (all / oracle / router / random / first / last), budget and
+    threshold (the router schedule's a row is matched to; the other is None), attention_fraction, and the quality (mqar: accuracy,
     token_accuracy; ppl: loss) with its standard error ``se``."""
     if quality not in QUALITIES:
         raise ValueError(f"routing quality {quality!r}: expected one of {QUALITIES}")
@@ -69,13 +70,17 @@ def evaluate_routing(model, run: TrainConfig, quality: str = "mqar", budgets: Se
             return dict(loss=float(losses.mean()), se=float(per_window.std() / np.sqrt(len(per_window))),
                         attention_fraction=float(attention.float().mean()))
 
-    rows: List[dict] = [dict(schedule=name, kind="all", budget=None, **measure(schedule))
+    unmatched = dict(budget=None, threshold=None)
+    rows: List[dict] = [dict(schedule=name, kind="all", **unmatched, **measure(schedule))
                         for name, schedule in (("all_linear", all_linear()), ("all_attention", all_attention()))]
     if oracle is not None:
-        rows.append(dict(schedule="oracle", kind="oracle", budget=None, **measure(oracle)))
-    for budget in budgets:
-        routed = measure(RouterSchedule(budget=budget, chunk_size=chunk))
-        rows.append(dict(schedule=f"router@{budget:g}", kind="router", budget=budget, **routed))
+        rows.append(dict(schedule="oracle", kind="oracle", **unmatched, **measure(oracle)))
+    routers = [(f"{b:g}", dict(budget=b, threshold=None)) for b in budgets]
+    routers += [(f"p{t:g}", dict(budget=None, threshold=t)) for t in thresholds]
+    for tag, spec in routers:
+        routed = measure(RouterSchedule(**spec, chunk_size=chunk))
+        rows.append(dict(schedule=f"router@{tag}", kind="router", **spec, **routed))
         for kind, schedule in matched_baselines(routed["attention_fraction"], chunk, seq_len).items():
-            rows.append(dict(schedule=f"{kind}@{budget:g}", kind=kind, budget=budget, **measure(schedule)))
-    return dict(task=f"routing/{quality}", chunk_size=chunk, budgets=list(budgets), seq_len=seq_len, rows=rows)
+            rows.append(dict(schedule=f"{kind}@{tag}", kind=kind, **spec, **measure(schedule)))
+    return dict(task=f"routing/{quality}", chunk_size=chunk, budgets=list(budgets), thresholds=list(thresholds),
+                seq_len=seq_len, rows=rows)

@@ -461,8 +461,8 @@ def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
         mine = [r for r in rows if (r["variant"], r["model"]) == (variant, model)]
         for kind in dict.fromkeys(r["kind"] for r in mine):
             labels = list(dict.fromkeys(r["schedule"] for r in mine if r["kind"] == kind))
-            points = [(np.mean([r["attention_fraction"] for r in mine if r["schedule"] == label]),
-                       np.mean([r[metric] for r in mine if r["schedule"] == label])) for label in labels]
+            points = sorted((np.mean([r["attention_fraction"] for r in mine if r["schedule"] == label]),
+                             np.mean([r[metric] for r in mine if r["schedule"] == label])) for label in labels)
             x, y = np.array(points).T
             style = "o-" if kind in ("router", "random", "first", "last") else "s"
             ax.plot(x, y, style, label=kind if kind != "all" else "all_linear / all_attention", markersize=5)
