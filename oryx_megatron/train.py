@@ -351,7 +351,7 @@ def _routed_forward_step(chunk_size: int, data_iterator, model):
     tokens, docs = batch["tokens"], batch.get("document_ids")
     s = tokens.shape[1]
     router = model.module.router
-    p = torch.sigmoid(model.module.route(tokens, chunk_size, docs)[:, : -(-s // chunk_size)].float())  # [b, n]
+    p = torch.sigmoid(model.module.route(tokens, chunk_size, docs).float())  # [b, n]
     weights = (torch.bernoulli(p.detach()) + p - p.detach()).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]
     flops = torch.arange(1, s + 1, device=tokens.device, dtype=torch.float32) / ((s + 1) / 2)  # [s], mean 1
     output = model(tokens, weights, labels=batch["labels"], document_ids=docs)

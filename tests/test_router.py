@@ -21,10 +21,9 @@ def routed_model(family="oryx_tg", seed=0, dtype=torch.float64):
     torch.manual_seed(seed)
     model = build_model(args, transformer_config(args, params_dtype=dtype))
     with torch.no_grad():
-        model.router.fc2.weight.normal_(0, 3.0)
-        logits = model.route(tokens(args, 4, 64, seed=9), CHUNK)[:, 1:]
+        model.router.fc2.weight.normal_(0, 20.0)
+        logits = model.route(tokens(args, 4, 64, seed=9), CHUNK)
         model.router.fc2.bias.sub_(logits.median())  # about half the chunks above p = 0.5
-        model.router.first.fill_(-1.0)
         probs = torch.sigmoid(logits - logits.median()).flatten()
         model.router.calibration.copy_(torch.quantile(probs, torch.linspace(0, 1, 101, dtype=torch.float64)))
     return model.eval(), args
@@ -35,19 +34,24 @@ def tokens(args, b=2, s=40, seed=1):
 
 
 @pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
-def test_a_chunks_logit_reads_only_the_tokens_before_it(family):
+def test_a_chunks_logit_reads_only_its_first_token_and_the_tokens_before(family):
     model, args = routed_model(family)
     ids = tokens(args)
     with torch.no_grad():
-        logits = model.route(ids, CHUNK)  # [b, 1 + 40 // 8]: chunks 0..5, chunk 5 starts at 40
-        assert logits.shape == (2, 6) and logits.std() > 0.1
-        for start in range(0, 40, CHUNK // 2):  # change every token from `start` on
+        logits = model.route(ids, CHUNK)  # [b, 40 // 8]: chunks 0..4, starting at 0, 8, .., 32
+        assert logits.shape == (2, 5) and logits.std() > 0.1
+        for start in range(0, 33, CHUNK // 2):  # change every token from `start` on (32: the last chunk's first)
             changed = ids.clone()
             changed[:, start:] = (changed[:, start:] + 1) % args.vocab_size
             other = model.route(changed, CHUNK)
-            decided_before = start // CHUNK + 1  # the chunks starting at or before `start`
+            decided_before = -(-start // CHUNK)  # the chunks whose first token is before `start`
             assert torch.equal(other[:, :decided_before], logits[:, :decided_before]), start
             assert (other[:, decided_before:] - logits[:, decided_before:]).abs().max() > 1e-6, start
+        for start in range(CHUNK, 40, CHUNK):  # the chunk's first token alone changes its logit
+            changed = ids.clone()
+            changed[:, start] = (changed[:, start] + 1) % args.vocab_size
+            c = start // CHUNK
+            assert (model.route(changed, CHUNK)[:, c] - logits[:, c]).abs().min() > 1e-6, start
 
 
 def test_the_budget_quota_holds_whatever_the_router_wants():
@@ -66,7 +70,7 @@ def test_the_budget_quota_holds_whatever_the_router_wants():
 @pytest.mark.parametrize("schedule", ["router threshold=0.5", "router budget=0.3", "router threshold=0.4 chunk_size=4"])
 def test_generation_decides_each_chunk_as_one_routing_pass_over_the_whole_sequence(schedule):
     """Prefill decides the prompt's chunks from one routing pass; each later chunk is decided at its first
-    position from the first layer's readouts of the token before (the decode step writes them). The
+    token, from the first layer's reads of it before that token's step (``route_step``). The
     logits equal one parallel forward over prompt + output with the modes route_modes gives it."""
     model, args = routed_model()
     prompts = [tokens(args, 1, 13, seed=2)[0].tolist(), tokens(args, 1, 21, seed=3)[0].tolist()]  # ragged

@@ -112,7 +112,7 @@ ORYX_RULES = (
     _FINAL_NORM,
     _OUTPUT,
     *(Rule(f"router.{p}", (f"model.router.{p}",))  # the chunk router (carried, docs/hf.md)
-      for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "first", "calibration", "price")),
+      for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "calibration", "price")),
 )
 
 LLAMA_RULES = (

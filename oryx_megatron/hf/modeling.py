@@ -88,7 +88,6 @@ class OryxRouter(nn.Module):
         features = config.num_attention_heads * 2 * config.value_head_dim
         self.fc1 = nn.Linear(features, config.router_hidden)
         self.fc2 = nn.Linear(config.router_hidden, 1)
-        self.first = nn.Parameter(torch.zeros(1))
         self.register_buffer("calibration", torch.full((101,), torch.nan, dtype=torch.float64))
         self.register_buffer("price", torch.zeros((), dtype=torch.float64))
 

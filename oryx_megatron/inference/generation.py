@@ -231,8 +231,7 @@ def generate(
     routed = isinstance(batch.schedule, RouterSchedule)
     with eval_mode(model):
         decisions = ChunkDecisions(model, batch.schedule, b, device) if routed else None
-        cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache,
-                                               readouts=routed)
+        cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache)
         prefill_seconds, decode_seconds, capture_seconds = _decode(model, batch, sequences, cache, graphs,
                                                                    reset_at_eod, decisions)
 
@@ -254,7 +253,7 @@ def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs
             decisions: Optional[ChunkDecisions]):
     """Prefill, then one-token steps until every sequence is done: (prefill, decode, graph capture) seconds.
     With ``decisions`` (a router schedule) the chunks up to the prefill's end are decided from one routing
-    pass over the prefill, each later one at its first position from the readouts of the token before."""
+    pass over the prefill, each later one at its first position, from that token (``OryxModel.route_step``)."""
     device, t0 = batch.tokens.device, batch.prefill_len
     start = time.perf_counter()
     prompt = batch.tokens[:, :t0]
@@ -274,7 +273,7 @@ def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs
             break
         reset_documents(cache, batch.tokens[:, pos - 1], eod_id)
         if decisions is not None and pos % decisions.chunk_size == 0 and pos // decisions.chunk_size == decisions.decided:
-            chunk_logits = model.router(cache[0].readouts[:, None])[:, 1:]  # [b, 1]: from the token before
+            chunk_logits = model.route_step(batch.tokens[:, pos : pos + 1], cache)  # [b, 1]: from the chunk's first token
             batch.set_chunk_modes(decisions.decided, decisions(chunk_logits), decisions.chunk_size)
         logits = step(batch.tokens[:, pos : pos + 1], batch.mode_arg(pos, pos + 1))
         sequences.count_fed(pos, pos + 1)

@@ -1,11 +1,11 @@
 """Router schedules applied: each chunk's mode from the model's router, decided in order, causally.
 
-The router's logit of chunk c reads only the tokens before the chunk (layers/router.py), and
-``ChunkDecisions`` decides chunk c from that logit and the decisions before it (the budget's quota),
-never from later logits: changing tokens at or after a chunk's start never changes its decision.
-A parallel pass (``route_modes``: training-style batches, eval tasks, a prompt's prefill) decides
-every chunk of a sequence at once; generation decides each later chunk at its first position from
-the first layer's readouts of the token before it (``MixerCache.readouts``): one host sync per chunk.
+The router's logit of chunk c reads only the chunk's first token and the tokens before it
+(layers/router.py), and ``ChunkDecisions`` decides chunk c from that logit and the decisions before
+it (the budget's quota), never from later logits: changing tokens after a chunk's first token never
+changes its decision. A parallel pass (``route_modes``: training-style batches, eval tasks, a prompt's
+prefill) decides every chunk of a sequence at once; generation decides each later chunk at its first
+token, before that token's step (``OryxModel.route_step``): one host sync per chunk.
 """
 
 from typing import Optional
@@ -49,5 +49,5 @@ def route_modes(model, schedule: RouterSchedule, tokens: Tensor, document_ids: O
     """The modes [b, s] (int8) a router schedule gives tokens [b, s] (one parallel routing pass)."""
     decisions = ChunkDecisions(model, schedule, tokens.shape[0], tokens.device)
     chunk, s = decisions.chunk_size, tokens.shape[1]
-    logits = model.route(tokens, chunk, document_ids)[:, : -(-s // chunk)]  # chunks starting before s
+    logits = model.route(tokens, chunk, document_ids)  # [b, ceil(s / chunk)]
     return decisions(logits).repeat_interleave(chunk, dim=1)[:, :s]

@@ -136,7 +136,7 @@ class RouterSchedule(InferenceSchedule):
     ``threshold``, or, for a ``budget`` (a fraction of the tokens), the router's calibrated (1 - budget)
     quantile, with a quota: no chunk reads attention once the chunks so far that did exceed budget x
     chunks so far + 1. Decisions are made in order, each from the router's logit of that chunk alone
-    (which reads only earlier tokens): causal. ``chunk_size`` None: the model's router_chunk_size."""
+    (which reads only its first token and earlier ones): causal. ``chunk_size`` None: the model's router_chunk_size."""
 
     threshold: Optional[float] = None
     budget: Optional[float] = None

@@ -97,7 +97,7 @@ class MixerCache:
     position: Tensor  # 0-dim long, on the device
     document_start: Tensor  # [b] long: where each sequence's current document starts (keys before it are not read)
     seqlen: int = 0
-    readouts: Optional[Tensor] = None  # [b, h, 2, d_v]: the router's features of the last token (``step``)
+    readouts: Optional[Tensor] = None  # [b, h, 2, d_v]: where ``step`` writes its token's reads (``step_readouts``)
 
     @property
     def capacity(self) -> int:
@@ -427,9 +427,9 @@ class MultiMixer(HeadSplitModule):
 
     # ---- what a router reads (layers/router.py) ----
     def chunk_readouts(self, hidden_states: Tensor, chunk_size: int, document_ids: Optional[Tensor] = None) -> Tensor:
-        """Both mixers' reads of the last token of every whole chunk of ``chunk_size`` positions:
-        hidden_states [s, b, hidden] -> [b, s // chunk_size, h, 2, d_v] (``_readouts``). Neither read
-        depends on any token's mode (both memories absorb every token): in the first layer, whose
+        """Both mixers' reads of the first token of every chunk of ``chunk_size`` positions:
+        hidden_states [s, b, hidden] -> [b, ceil(s / chunk_size), h, 2, d_v] (``_readouts``). Neither
+        read depends on any token's mode (both memories absorb every token): in the first layer, whose
         input does not depend on modes either, they are known before any mode is chosen."""
         if not self.config.is_multi_mixer:
             raise ValueError(f"a router reads both mixers: mixers={self.config.mixers!r} has one")
@@ -438,11 +438,26 @@ class MultiMixer(HeadSplitModule):
             x[name], _ = self._conv(x[name], getattr(self, f"conv_{name}"), None, document_ids)
         self._gate_keys_and_values(x)
         s = x["k"].shape[1]
-        ends = torch.arange(chunk_size - 1, s, chunk_size, device=x["k"].device)  # [n]
-        q = self._rotary(x[self.attention_query][:, ends], ends, s)  # [b, n, h, d_k]
-        attention = attention_at(q, self._rotary(x["k"], slice(0, s), s), x["v"], ends, document_ids)
+        starts = torch.arange(0, s, chunk_size, device=x["k"].device)  # [n]
+        q = self._rotary(x[self.attention_query][:, starts], starts, s)  # [b, n, h, d_k]
+        attention = attention_at(q, self._rotary(x["k"], slice(0, s), s), x["v"], starts, document_ids)
         linear, _ = self.linear_mixer(x, document_ids=document_ids)  # [b, s, h, d_v]
-        return self._readouts(attention, linear[:, ends], x["g"][:, ends])
+        return self._readouts(attention, linear[:, starts], x["g"][:, starts])
+
+    def step_readouts(self, hidden_states: Tensor, inference_cache: MixerCache) -> Tensor:
+        """``chunk_readouts`` of one new token at decode: hidden_states [1, b, hidden] -> [b, 1, h, 2, d_v],
+        the cache left as it was (the token's own ``step`` follows, with the mode decided from these)."""
+        if not self.config.is_multi_mixer:
+            raise ValueError(f"a router reads both mixers: mixers={self.config.mixers!r} has one")
+        cache, snapshot = inference_cache, inference_cache.snapshot()
+        b, heads = hidden_states.shape[1], self.num_heads
+        cache.readouts = hidden_states.new_zeros(b, heads, 2, self.d_v)
+        try:
+            self.step(hidden_states, Mode.LINEAR, cache)  # writes its key and value, which the real step rewrites
+            return cache.readouts[:, None]
+        finally:
+            cache.readouts = None
+            cache.restore(snapshot)
 
     def _readouts(self, attention: Tensor, linear: Tensor, gate: Tensor) -> Tensor:
         """[b, n, h, d_v] reads and their gate -> [b, n, h, 2, d_v]: per head the attention read minus

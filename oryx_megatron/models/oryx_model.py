@@ -179,25 +179,29 @@ class OryxModel(LanguageModule):
         return self.compute_language_model_loss(labels, logits)
 
     def route(self, input_ids: Tensor, chunk_size: int, document_ids: Optional[Tensor] = None) -> Tensor:
-        """The router's logits [b, 1 + s // chunk_size] that chunk c (starting at c * chunk_size, at
-        or before s) reads attention, from the first layer's reads at each chunk end (layers/router.py):
-        one pass over the embedding and the first layer's mixer, before any mode is chosen."""
-        if self.router is None:
-            raise ValueError("this model has no router (model.router_hidden is null)")
-        first = self.decoder.layers[0]
+        """The router's logits [b, ceil(s / chunk_size)] that chunk c (starting at c * chunk_size) reads
+        attention, from the first layer's reads of each chunk's first token (layers/router.py): one pass
+        over the embedding and the first layer's mixer, before any mode is chosen."""
+        first = self._first_routed_layer()
         hidden = first.input_layernorm(self.embedding(input_ids, position_ids=None))  # [s, b, hidden]
         return self.router(first.mixer.chunk_readouts(hidden, chunk_size, document_ids))
 
+    def route_step(self, input_ids: Tensor, inference_cache: List[MixerCache]) -> Tensor:
+        """``route`` at decode: the logit [b, 1] of the chunk that starts at the new token input_ids [b, 1],
+        before that token's step (the caches are left as they were)."""
+        first = self._first_routed_layer()
+        hidden = first.input_layernorm(self.embedding(input_ids, position_ids=None))  # [1, b, hidden]
+        return self.router(first.mixer.step_readouts(hidden, inference_cache[0]))
+
+    def _first_routed_layer(self):
+        if self.router is None:
+            raise ValueError("this model has no router (model.router_hidden is null)")
+        return self.decoder.layers[0]
+
     def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
-                                 capacity: Optional[int] = None, kv_cache: bool = True,
-                                 readouts: bool = False) -> List[MixerCache]:
-        """One empty cache per layer of this stage (``MultiMixer.allocate_inference_cache``); with
-        ``readouts`` the first layer's decode steps also write the router's features of their token."""
-        caches = [
+                                 capacity: Optional[int] = None, kv_cache: bool = True) -> List[MixerCache]:
+        """One empty cache per layer of this stage (``MultiMixer.allocate_inference_cache``)."""
+        return [
             layer.mixer.allocate_inference_cache(batch_size, dtype, device, capacity, kv_cache)
             for layer in self.decoder.layers
         ]
-        if readouts:
-            heads = self.decoder.layers[0].mixer.num_heads
-            caches[0].readouts = self.router.allocate_readouts(batch_size, dtype, device, heads)
-        return caches

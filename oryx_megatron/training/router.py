@@ -115,7 +115,7 @@ class RouterTrainer:
         """One optimizer step of the router; returns its sums for the metrics (``router_metrics``)."""
         batch = {key: t.to(self.device) for key, t in batch.items()}
         benefit, count, losses = router_targets(self.model, batch, self.chunk)
-        logits = self.model.route(batch["tokens"], self.chunk, batch.get("document_ids"))[:, : benefit.shape[1]]
+        logits = self.model.route(batch["tokens"], self.chunk, batch.get("document_ids"))  # [b, n] as benefit
         loss, target = router_loss(logits, benefit, count, self.run.router)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
