@@ -447,6 +447,10 @@ def plot_bars(exp: Experiment, summary: List[dict], exp_dir: Path) -> Path:
     return path
 
 
+# one colour per kind of schedule in every routing plot (tab10's first six)
+KIND_COLORS = dict(zip(("all", "oracle", "router", "random", "first", "last"), (f"C{i}" for i in range(6))))
+
+
 def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
     """The first metric against the attention fraction (means over seeds): a line per kind of
     schedule (router, random, first, last chunks), points for all_linear, all_attention and the
@@ -465,7 +469,8 @@ def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
                              np.mean([r[metric] for r in mine if r["schedule"] == label])) for label in labels)
             x, y = np.array(points).T
             style = "o-" if kind in ("router", "random", "first", "last") else "s"
-            ax.plot(x, y, style, label=kind if kind != "all" else "all_linear / all_attention", markersize=5)
+            ax.plot(x, y, style, color=KIND_COLORS[kind], markersize=5,
+                    label=kind if kind != "all" else "all_linear / all_attention")
         ax.set(xlabel="attention fraction (tokens)", title=model if len(exp.variants) == 1 else f"{model} ({variant})")
     axes[0].set_ylabel(f"{metric} (mean over {len(exp.seeds)} seeds)")
     axes[0].legend(fontsize=8)
