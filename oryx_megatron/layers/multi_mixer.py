@@ -97,7 +97,6 @@ class MixerCache:
     position: Tensor  # 0-dim long, on the device
     document_start: Tensor  # [b] long: where each sequence's current document starts (keys before it are not read)
     seqlen: int = 0
-    readouts: Optional[Tensor] = None  # [b, h, 2, d_v]: where ``step`` writes its token's reads (``step_readouts``)
 
     @property
     def capacity(self) -> int:
@@ -311,9 +310,10 @@ class MultiMixer(HeadSplitModule):
 
     # ---- one-token decode ----
     def step(
-        self, hidden_states: Tensor, modes: Modes, inference_cache: MixerCache
+        self, hidden_states: Tensor, modes: Modes, inference_cache: MixerCache, readouts: Optional[Tensor] = None
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        """Decode one token: hidden_states [1, b, hidden], modes [b, 1], [b] or a Mode.
+        """Decode one token: hidden_states [1, b, hidden], modes [b, 1], [b] or a Mode; with ``readouts``
+        [b, h, 2, d_v] both mixers read and their reads are written there (``step_readouts``).
 
         Positions come from the cache's ``position`` tensor and every state is written in place,
         so the step has no host synchronisation and can be captured in a CUDA graph."""
@@ -342,7 +342,7 @@ class MultiMixer(HeadSplitModule):
                 q, k = self._rotate(x[self.attention_query][:, None], x["k"][:, None], cache.position.view(1),
                                     cache.capacity)
                 cache.write_at_position(k, x["v"][:, None])
-                if Mode.ATTENTION in reads or cache.readouts is not None:
+                if Mode.ATTENTION in reads or readouts is not None:
                     outputs[Mode.ATTENTION] = decode_attention(q, cache.key, cache.value, cache.position,
                                                                cache.document_start)
         if self.linear_mixer is not None:
@@ -351,8 +351,8 @@ class MultiMixer(HeadSplitModule):
             cache.recurrent_state.copy_(state)
         cache.advance(1)
         gate = x["g"][:, None]
-        if cache.readouts is not None:  # in place: a captured graph writes the same buffer
-            cache.readouts.copy_(self._readouts(outputs[Mode.ATTENTION], outputs[Mode.LINEAR], gate)[:, 0])
+        if readouts is not None:
+            readouts.copy_(self._readouts(outputs[Mode.ATTENTION], outputs[Mode.LINEAR], gate)[:, 0])
             outputs = {mode: outputs[mode] for mode in reads if mode in outputs}
         return self._output(self._gated_norm(self._select(outputs, modes), gate))
 
@@ -431,8 +431,7 @@ class MultiMixer(HeadSplitModule):
         hidden_states [s, b, hidden] -> [b, ceil(s / chunk_size), h, 2, d_v] (``_readouts``). Neither
         read depends on any token's mode (both memories absorb every token): in the first layer, whose
         input does not depend on modes either, they are known before any mode is chosen."""
-        if not self.config.is_multi_mixer:
-            raise ValueError(f"a router reads both mixers: mixers={self.config.mixers!r} has one")
+        self._require_both_mixers()
         x = self._project(hidden_states)  # stream -> [b, s, h, d]
         for name in self.conv_streams:
             x[name], _ = self._conv(x[name], getattr(self, f"conv_{name}"), None, document_ids)
@@ -447,17 +446,18 @@ class MultiMixer(HeadSplitModule):
     def step_readouts(self, hidden_states: Tensor, inference_cache: MixerCache) -> Tensor:
         """``chunk_readouts`` of one new token at decode: hidden_states [1, b, hidden] -> [b, 1, h, 2, d_v],
         the cache left as it was (the token's own ``step`` follows, with the mode decided from these)."""
+        self._require_both_mixers()
+        readouts = hidden_states.new_empty(hidden_states.shape[1], self.num_heads, 2, self.d_v)
+        snapshot = inference_cache.snapshot()
+        try:  # the step writes the token's key and value, which its real step rewrites
+            self.step(hidden_states, Mode.LINEAR, inference_cache, readouts)
+        finally:
+            inference_cache.restore(snapshot)
+        return readouts[:, None]
+
+    def _require_both_mixers(self) -> None:
         if not self.config.is_multi_mixer:
             raise ValueError(f"a router reads both mixers: mixers={self.config.mixers!r} has one")
-        cache, snapshot = inference_cache, inference_cache.snapshot()
-        b, heads = hidden_states.shape[1], self.num_heads
-        cache.readouts = hidden_states.new_zeros(b, heads, 2, self.d_v)
-        try:
-            self.step(hidden_states, Mode.LINEAR, cache)  # writes its key and value, which the real step rewrites
-            return cache.readouts[:, None]
-        finally:
-            cache.readouts = None
-            cache.restore(snapshot)
 
     def _readouts(self, attention: Tensor, linear: Tensor, gate: Tensor) -> Tensor:
         """[b, n, h, d_v] reads and their gate -> [b, n, h, 2, d_v]: per head the attention read minus

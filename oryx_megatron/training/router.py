@@ -8,7 +8,7 @@ Per batch, top to bottom (``RouterTrainer.step``):
 1. two forwards without gradient, every token reading linear, then every token reading attention:
    per-token losses; a chunk's **benefit** is the mean over its loss-masked tokens of the linear loss
    minus the attention loss (both memories absorb every token, so the two reads see the same context);
-2. one routing pass (the router's logits from the first layer's reads at each chunk end, causal);
+2. one routing pass (the router's logits from the first layer's reads of each chunk's first token, causal);
 3. the router's loss over every chunk (``router_loss``): binary cross entropy against target =
    benefit > ``benefit_threshold`` (``classification``), or the squared error of the logit against
    (benefit - benefit_threshold) / ``temperature`` (``regression``): either way p >= 0.5 where the
