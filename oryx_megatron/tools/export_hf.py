@@ -15,17 +15,12 @@ from typing import List, Optional
 from data_prep import PrepError
 from data_prep.tokenizer import ByteTokenizer
 from oryx_megatron.inference.checkpoint import resolve_checkpoint
-from oryx_megatron.tools.loading import DTYPES, dataset_tokenizer, load_checkpoint
+from oryx_megatron.tools.loading import DTYPES, HF_NEEDS, dataset_tokenizer, hf_format_parser, load_checkpoint
 from oryx_megatron.training.checkpointing import load_common
-
-NEEDS = "needs transformers and safetensors: pip install 'oryx-megatron[hf]'"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oryx-export", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    formats = parser.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    hf = formats.add_parser("hf", help="a transformers model folder")
+    parser, hf = hf_format_parser("oryx-export", __doc__)
     hf.add_argument("checkpoint", help="a checkpoint dir (iter_NNNNNNN) or a run's checkpoint.dir (uses 'latest')")
     hf.add_argument("out_dir", help="the folder to write (replaced if it exists)")
     hf.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: the run's training dtype); "
@@ -55,7 +50,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         from oryx_megatron.hf.export import export_model, heldout_losses
     except ImportError as e:
-        parser.error(f"{NEEDS} ({e})")
+        parser.error(f"{HF_NEEDS} ({e})")
     written = args.dtype
     args.device, args.dtype = "cpu", "float32"  # load_checkpoint's: loaded in fp32, then written in `written`
     model, run = load_checkpoint(parser, args)

@@ -15,16 +15,12 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from oryx_megatron.tools.loading import HF_NEEDS, hf_format_parser
 from oryx_megatron.training.config import ConfigError
-
-NEEDS = "needs transformers and safetensors: pip install 'oryx-megatron[hf]'"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oryx-import", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    formats = parser.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    hf = formats.add_parser("hf", help="a transformers model folder")
+    parser, hf = hf_format_parser("oryx-import", __doc__)
     hf.add_argument("hf_dir", help="a folder written by oryx-export hf (or save_pretrained of its model)")
     hf.add_argument("checkpoint_dir", help="the checkpoint.dir to write (iter_0000000 and latest)")
     hf.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the checkpoint (default 1)")
@@ -43,7 +39,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         from oryx_megatron.hf.importing import import_checkpoint
     except ImportError as e:
-        parser.error(f"{NEEDS} ({e})")
+        parser.error(f"{HF_NEEDS} ({e})")
     try:
         path = import_checkpoint(Path(args.hf_dir), Path(args.checkpoint_dir), args.tp, args.overrides)
     except (OSError, ValueError, ConfigError) as e:

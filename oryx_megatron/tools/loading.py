@@ -8,7 +8,7 @@ The tokenizers live in ``data_prep``, which only the tools layer may import; the
 import argparse
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -19,6 +19,7 @@ from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.training.config import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+HF_NEEDS = "needs transformers and safetensors: pip install 'oryx-megatron[hf]'"  # oryx-export / oryx-import
 
 
 def default_device() -> str:
@@ -39,6 +40,14 @@ def load_for_inference(checkpoint: str, device: Optional[str] = None, dtype: Opt
         raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     model, run = load_model(checkpoint, DTYPES[dtype])
     return model.to(device), run
+
+
+def hf_format_parser(prog: str, doc: str) -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(the parser of ``prog FORMAT ...``, its one format's subparser ``hf``): oryx-export's and oryx-import's."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+    formats = parser.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    return parser, formats.add_parser("hf", help="a transformers model folder")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
