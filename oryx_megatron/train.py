@@ -45,7 +45,7 @@ from oryx_megatron.training.builders import (
     build_scheduler,
     model_config,
 )
-from oryx_megatron.training.config import ConfigError, TrainConfig, load_train_config, train_iters
+from oryx_megatron.run_config import ConfigError, TrainConfig, load_train_config, train_iters
 from oryx_megatron.training.validation import validate_run
 from oryx_megatron.training.metrics import MetricsLogger, flops_per_token, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
@@ -354,7 +354,7 @@ def _routed_forward_step(chunk_size: int, data_iterator, model):
     p = torch.sigmoid(model.module.route(tokens, chunk_size, docs).float())  # [b, n]
     weights = (torch.bernoulli(p.detach()) + p - p.detach()).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]
     flops = torch.arange(1, s + 1, device=tokens.device, dtype=torch.float32) / ((s + 1) / 2)  # [s], mean 1
-    output = model(tokens, weights, labels=batch["labels"], document_ids=docs)
+    output = model(tokens, labels=batch["labels"], document_ids=docs, router_weights=weights)
     return output, partial(_loss, batch["loss_mask"], weights, attention_cost=router.price.float() * weights * flops)
 
 

@@ -4,7 +4,8 @@ import dataclasses
 
 import torch
 
-from oryx_megatron.models.builder import ModelArgs, transformer_config
+from oryx_megatron.config import ModelArgs
+from oryx_megatron.models.builder import transformer_config
 from oryx_megatron.models.specs import get_oryx_layer_local_spec
 from oryx_megatron.layers.multi_mixer import MultiMixer
 

@@ -22,7 +22,7 @@ from oryx_megatron.inference import (
     parse_schedule,
 )
 from oryx_megatron.inference.sampling import top_k_mask, top_p_mask
-from oryx_megatron.layers.multi_mixer import KV_BLOCK
+from oryx_megatron.mixer import KV_BLOCK
 from oryx_megatron.models.builder import build_model, transformer_config
 from tests.helpers import tiny_args
 

@@ -18,7 +18,8 @@ from oryx_megatron.hf.convert import (  # noqa: E402
 from oryx_megatron.hf.layout import LayoutError, conv_streams, mixer_streams  # noqa: E402
 from oryx_megatron.inference import as_inference_schedule, generate  # noqa: E402
 from oryx_megatron.inference.forward import cached_logits  # noqa: E402
-from oryx_megatron.models.builder import ModelArgs, build_model, transformer_config  # noqa: E402
+from oryx_megatron.config import ModelArgs
+from oryx_megatron.models.builder import build_model, transformer_config  # noqa: E402
 
 EOD = 256
 # Each family with the options that change the layout (gates, query conv, a shared query, d_v != d_k).

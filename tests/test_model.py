@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from oryx_megatron.config import OryxConfig
+from oryx_megatron.layers.config import OryxConfig
 from oryx_megatron.models.builder import build_model, padded_vocab_size, transformer_config
 from tests.helpers import tiny_args
 

@@ -353,7 +353,7 @@ def test_local_launcher_config(compose_launcher):
 
 
 def test_train_app_composes_with_slurm_launcher():
-    import oryx_megatron.training.config  # noqa: F401  (registers the train schema, as oryx-train does)
+    import oryx_megatron.run_config  # noqa: F401  (registers the train schema, as oryx-train does)
 
     GlobalHydra.instance().clear()
     try:

@@ -22,7 +22,7 @@ from oryx_megatron.data.shards import Manifest
 from oryx_megatron.inference.routing import route_modes
 from oryx_megatron.inference.schedules import RouterSchedule
 from oryx_megatron.training.builders import build_loader
-from oryx_megatron.training.config import TrainConfig
+from oryx_megatron.run_config import TrainConfig
 
 
 def dataset_vocab(run: TrainConfig) -> Tuple[int, Optional[int]]:

@@ -22,7 +22,7 @@ from oryx_megatron.data.tasks import mqar, niah
 from oryx_megatron.eval.ppl import dataset_vocab, heldout_batches
 from oryx_megatron.inference.routing import route_modes
 from oryx_megatron.inference.schedules import RouterSchedule
-from oryx_megatron.training.config import TrainConfig
+from oryx_megatron.run_config import TrainConfig
 
 TASKS = ("mqar", "niah")
 

@@ -24,7 +24,7 @@ from oryx_megatron.data.modes import Explicit, ModeSchedule, RandomChunks, all_a
 from oryx_megatron.eval.ppl import dataset_vocab, schedule_batches, token_losses
 from oryx_megatron.eval.retrieval import answer_accuracy, build_task
 from oryx_megatron.inference.schedules import RouterSchedule
-from oryx_megatron.training.config import TrainConfig
+from oryx_megatron.run_config import TrainConfig
 
 QUALITIES = ("mqar", "ppl")
 

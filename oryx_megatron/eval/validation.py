@@ -12,7 +12,7 @@ import torch
 
 from oryx_megatron.data.modes import build_mode_schedule
 from oryx_megatron.eval.retrieval import build_task
-from oryx_megatron.training.config import TrainConfig
+from oryx_megatron.run_config import TrainConfig
 
 
 def validation_samples(run: TrainConfig, seed: int, num_samples: int) -> dict:

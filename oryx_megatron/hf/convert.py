@@ -19,12 +19,13 @@ from omegaconf import OmegaConf
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from oryx_megatron.config import FAMILY_MIXERS, MIXER_FIELDS, ModelArgs
 from oryx_megatron.data.modes import build_mode_schedule
-from oryx_megatron.hf.configuration import FORMAT_VERSION, OryxHFConfig
-from oryx_megatron.hf.layout import LLAMA_RULES, ORYX_RULES, to_hf, to_megatron
+from oryx_megatron.hf.configuration import FORMAT_VERSION, OryxHFConfig, hf_name
+from oryx_megatron.hf.layout import LLAMA_RULES, oryx_rules, to_hf, to_megatron
 from oryx_megatron.hf.modeling import OryxForCausalLM
-from oryx_megatron.models.builder import FAMILY_MIXERS, ModelArgs, padded_vocab_size, transformer_config
-from oryx_megatron.training.config import TrainConfig
+from oryx_megatron.models.builder import padded_vocab_size, transformer_config
+from oryx_megatron.run_config import TrainConfig
 
 LLAMA = "llama"
 TRANSFORMER = "transformer"
@@ -59,16 +60,11 @@ def hf_config(args: ModelArgs, run: Optional[TrainConfig] = None, eod_id: Option
     reset = run is not None and run.data.reset_at_eod
     if reset and eod_id is None:
         raise ConversionError("data.reset_at_eod is true but no EOD token is known: the tokenizer is needed")
+    mixer = {hf_name(name): value for name, value in config.mixer_fields().items()}
     return OryxHFConfig(
-        value_head_dim=config.value_head_dim, mixers=config.mixers, conv_kernel=config.mixer_conv_kernel,
-        conv_activation=config.mixer_conv_activation, attention_query_conv=config.attention_query_conv,
-        shared_query=config.shared_query, kv_gate=config.kv_gate, attention_rotary=config.attention_rotary,
-        rope_theta=config.rotary_base, linear_chunk_size=config.linear_chunk_size,
-        default_mode="attention" if config.has_attention else "linear",
-        reset_at_eod_token_id=eod_id if reset else None, kernel_backend=config.kernel_backend,
-        router_hidden=config.router_hidden, router_chunk_size=config.router_chunk_size,
-        training_mode_schedule=None if run is None else _schedule_text(run.data.mode_schedule),
-        oryx=metadata, **common)
+        **{**common, **mixer}, default_mode="attention" if config.has_attention else "linear",
+        reset_at_eod_token_id=eod_id if reset else None,
+        training_mode_schedule=None if run is None else _schedule_text(run.data.mode_schedule), oryx=metadata)
 
 
 def _metadata(args: ModelArgs, run: Optional[TrainConfig], iteration: Optional[int],
@@ -110,19 +106,9 @@ def model_args(config) -> ModelArgs:
         _require_llama_fields(config)
         args = ModelArgs(family=TRANSFORMER, **common)
     else:
-        _require(config, "conv_activation", "silu")
-        _require(config, "attention_rotary", True)
-        _require(config, "rope_theta", ROPE_THETA)
-        family = {mixers: name for name, mixers in FAMILY_MIXERS.items()}.get(config.mixers)
-        if family is None:
-            raise ConversionError(f"mixers={config.mixers!r}: no recipe family has these mixers "
-                                  f"({', '.join(m for m in FAMILY_MIXERS.values() if m)})")
-        args = ModelArgs(family=family, value_head_dim=config.value_head_dim, mixer_conv_kernel=config.conv_kernel,
-                         attention_query_conv=config.attention_query_conv, shared_query=config.shared_query,
-                         kv_gate=config.kv_gate, linear_chunk_size=config.linear_chunk_size,
-                         kernel_backend=config.kernel_backend,
-                         router_hidden=getattr(config, "router_hidden", None),  # folders before the router: none
-                         router_chunk_size=getattr(config, "router_chunk_size", 128), **common)
+        family = {mixers: name for name, mixers in FAMILY_MIXERS.items() if mixers}.get(config.mixers, "oryx")
+        mixer = {name: getattr(config, hf_name(name)) for name in MIXER_FIELDS}
+        args = ModelArgs(family=family, **{**mixer, **common})
     if padded_vocab_size(args) != config.vocab_size:
         raise ConversionError(
             f"vocab_size={config.vocab_size} does not match the recipe's padded vocab {padded_vocab_size(args)} "
@@ -148,7 +134,7 @@ def _require_llama_fields(config: LlamaConfig) -> None:
 
 
 def rules_of(config) -> Tuple:
-    return LLAMA_RULES if config.model_type == LLAMA else ORYX_RULES
+    return LLAMA_RULES if config.model_type == LLAMA else oryx_rules(config)
 
 
 def megatron_to_hf(state: Dict[str, Tensor], config) -> Dict[str, Tensor]:

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from oryx_megatron.hf.convert import hf_config, hf_model, megatron_to_hf
 from oryx_megatron.hf.tokenizer import hf_tokenizer
 from oryx_megatron.models.builder import padded_vocab_size
-from oryx_megatron.training.config import TrainConfig
+from oryx_megatron.run_config import TrainConfig
 
 DEFAULT_SHARD_SIZE = "5GB"
 

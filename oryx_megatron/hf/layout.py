@@ -1,14 +1,10 @@
-"""The weight layout that the Hugging Face model, export and import share.
+"""The weight layout that the Hugging Face model, export and import share: megatron parameter name <-> Hugging
+Face name(s) (``oryx_rules`` / ``LLAMA_RULES``), with the split of a fused megatron tensor into its Hugging Face
+parts (SwiGLU's ``linear_fc1`` into gate and up, the Transformer's ``linear_qkv`` into q, k, v) and the join
+back. The Oryx mixer and router are the same modules on both sides (``oryx_megatron.mixer``): their rules
+are their parameter names, under either model's prefix.
 
-- ``mixer_streams`` / ``conv_streams``: the per-head rows of the fused input projection ``in_proj``
-  (head-major: per head k, v, g, [k_gate, v_gate], [q_attn], then the linear mixer's streams) and the
-  streams with a short conv, as megatron's ``MultiMixer`` lays them out;
-- ``ORYX_RULES`` / ``LLAMA_RULES``: megatron parameter name <-> Hugging Face name(s), with the split of
-  a fused megatron tensor into its Hugging Face parts (SwiGLU's ``linear_fc1`` into gate and up, the
-  Transformer's ``linear_qkv`` into q, k, v) and the join back.
-
-A model part without a rule fails export and import by name: new parameters (a router, ...) are one
-more rule here.
+A model part without a rule fails export and import by name.
 """
 
 import re
@@ -18,31 +14,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-# Per-head widths of each linear mixer's own streams ("key": d_k) and its per-head fp32 parameters.
-LINEAR_STREAMS = {"gdn": {"q_lin": "key", "beta": 1, "alpha": 1}, "mamba2": {"q_lin": "key", "dt": 1}}
-LINEAR_PARAMETERS = {"gdn": ("A_log", "dt_bias"), "mamba2": ("A_log", "dt_bias", "D")}
-LINEAR_CONV_STREAMS = ("q_lin",)
-
-
-def mixer_streams(config) -> Dict[str, int]:
-    """Stream -> per-head width of ``in_proj``'s rows, in layout order (an ``OryxHFConfig``)."""
-    d_k, d_v = config.head_dim, config.value_head_dim
-    streams = {"k": d_k, "v": d_v, "g": d_v}
-    if config.kv_gate != "none":
-        streams.update(k_gate=d_k, v_gate=d_v)
-    if config.has_attention and not config.shared_query:
-        streams["q_attn"] = d_k
-    for name, width in LINEAR_STREAMS[config.linear_mixer].items():
-        streams[name] = d_k if width == "key" else width
-    return streams
-
-
-def conv_streams(config) -> List[str]:
-    """The streams with a short conv, in megatron's order (their parameters are ``conv_<stream>``)."""
-    names = ["k", "v", *LINEAR_CONV_STREAMS]
-    if "q_attn" in mixer_streams(config) and config.attention_query_conv:
-        names.append("q_attn")
-    return names
+from oryx_megatron.mixer import ChunkRouter, HeadShard, OryxMixer
 
 
 @dataclass(frozen=True)
@@ -97,23 +69,28 @@ _MLP = (
     Rule("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",)),
 )
 
-ORYX_RULES = (
-    _EMBEDDING,
-    Rule("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",)),
-    Rule("decoder.layers.{i}.mixer.in_proj.weight", ("model.layers.{i}.mixer.in_proj.weight",)),
-    *(Rule(f"decoder.layers.{{i}}.mixer.conv_{s}", (f"model.layers.{{i}}.mixer.conv_{s}.weight",))
-      for s in ("k", "v", "q_lin", "q_attn")),
-    Rule("decoder.layers.{i}.mixer.out_norm_weight", ("model.layers.{i}.mixer.out_norm.weight",)),
-    Rule("decoder.layers.{i}.mixer.out_proj.weight", ("model.layers.{i}.mixer.out_proj.weight",)),
-    *(Rule(f"decoder.layers.{{i}}.mixer.linear_mixer.{p}", (f"model.layers.{{i}}.mixer.linear_mixer.{p}",))
-      for p in ("A_log", "dt_bias", "D")),
-    Rule("decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.pre_mlp_layernorm.weight",)),
-    *_MLP,
-    _FINAL_NORM,
-    _OUTPUT,
-    *(Rule(f"router.{p}", (f"model.router.{p}",))  # the chunk router (carried, docs/hf.md)
-      for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "calibration", "price")),
-)
+def _names(module: torch.nn.Module) -> List[str]:
+    return [name for name, _ in module.named_parameters()] + [name for name, _ in module.named_buffers()]
+
+
+def oryx_rules(config) -> Tuple[Rule, ...]:
+    """The rules of an ``OryxHFConfig``'s model: the mixer's and the router's parameters keep their names (built
+    on the meta device to list them)."""
+    mixer_config = config.mixer_config
+    with torch.device("meta"):
+        mixer = OryxMixer(mixer_config, HeadShard(initialize=False))
+        router = ChunkRouter(mixer_config) if mixer_config.router_hidden is not None else None
+    return (
+        _EMBEDDING,
+        Rule("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",)),
+        *(Rule(f"decoder.layers.{{i}}.mixer.{name}", (f"model.layers.{{i}}.mixer.{name}",)) for name in _names(mixer)),
+        Rule("decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.pre_mlp_layernorm.weight",)),
+        *_MLP,
+        _FINAL_NORM,
+        _OUTPUT,
+        *(Rule(f"router.{name}", (f"model.router.{name}",)) for name in ([] if router is None else _names(router))),
+    )
+
 
 LLAMA_RULES = (
     _EMBEDDING,

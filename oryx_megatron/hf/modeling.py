@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from oryx_megatron.config import Mode
@@ -25,9 +26,8 @@ from oryx_megatron.data.documents import document_ids as count_documents
 from oryx_megatron.data.modes import parse_mode
 from oryx_megatron.hf.cache import OryxCache
 from oryx_megatron.hf.configuration import OryxHFConfig
-from oryx_megatron.hf.linear_mixers import LinearMixer
-from oryx_megatron.hf.mixer import OryxMixer, Reads, ShortConv
 from oryx_megatron.inference.schedules import as_inference_schedule
+from oryx_megatron.mixer import ChunkRouter, HeadModule, HeadShard, MixerContext, OryxMixer
 
 ModesArg = Union[None, str, int, Mode, Tensor, np.ndarray]
 
@@ -46,17 +46,17 @@ class OryxMLP(nn.Module):
 
 
 class OryxDecoderLayer(nn.Module):
-    """h = h + mixer(norm(h)); h = h + mlp(norm(h))."""
+    """h = h + mixer(norm(h)); h = h + mlp(norm(h)); the mixer is the project's one ``OryxMixer``."""
 
-    def __init__(self, config: OryxHFConfig, layer_idx: int):
+    def __init__(self, config: OryxHFConfig):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mixer = OryxMixer(config, layer_idx)
+        self.mixer = OryxMixer(config.mixer_config, HeadShard(initialize=False))  # _init_weights draws them
         self.pre_mlp_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = OryxMLP(config)
 
-    def forward(self, hidden: Tensor, reads: Reads, cache: Optional[OryxCache], document_ids: Optional[Tensor]):
-        hidden = hidden + self.mixer(self.input_layernorm(hidden), reads, cache, document_ids)
+    def forward(self, hidden: Tensor, context: MixerContext, cache: Optional[OryxCache], index: int) -> Tensor:
+        hidden = hidden + self.mixer(self.input_layernorm(hidden), context, None if cache is None else cache.layers[index])
         return hidden + self.mlp(self.pre_mlp_layernorm(hidden))
 
 
@@ -69,9 +69,12 @@ class OryxPreTrainedModel(PreTrainedModel):
     _is_stateful = True  # the recurrent state cannot be cropped: no assisted generation
 
     def _init_weights(self, module: nn.Module) -> None:
+        """transformers' init, and the mixer's per-head parameters as training draws them (guarded: loaded
+        parameters are left alone)."""
         super()._init_weights(module)
-        if isinstance(module, (ShortConv, LinearMixer)):
-            module.reset_parameters()
+        if isinstance(module, HeadModule):
+            for name in module.head_params:
+                init.copy_(getattr(module, name), module.initial_value(name))
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
@@ -79,28 +82,16 @@ class OryxPreTrainedModel(PreTrainedModel):
         (``configuration.write_remote_code``), so ``save_pretrained`` must not copy this package's files."""
 
 
-class OryxRouter(nn.Module):
-    """The learned chunk router's weights (``oryx_megatron.layers.router.ChunkRouter``), carried so that a
-    folder imports back with them; this model does not route (docs/hf.md)."""
-
-    def __init__(self, config: OryxHFConfig):
-        super().__init__()
-        features = config.num_attention_heads * 2 * config.value_head_dim
-        self.fc1 = nn.Linear(features, config.router_hidden)
-        self.fc2 = nn.Linear(config.router_hidden, 1)
-        self.register_buffer("calibration", torch.full((101,), torch.nan, dtype=torch.float64))
-        self.register_buffer("price", torch.zeros((), dtype=torch.float64))
-
-
 class OryxModel(OryxPreTrainedModel):
-    """Embedding -> Oryx layers -> final RMSNorm: hidden states [b, s, hidden]."""
+    """Embedding -> Oryx layers -> final RMSNorm: hidden states [b, s, hidden]; the learned chunk router's weights
+    (carried: this model does not route, docs/hf.md)."""
 
     def __init__(self, config: OryxHFConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(OryxDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(OryxDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.router = OryxRouter(config) if config.router_hidden is not None else None
+        self.router = ChunkRouter(config.mixer_config) if config.router_hidden is not None else None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -116,25 +107,28 @@ class OryxModel(OryxPreTrainedModel):
         ``reset_at_eod``)."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s = hidden.shape[:2]
+        offset = 0 if cache is None else cache.seqlen
+        decode = offset > 0 and s == 1
         eod = self.config.reset_at_eod_token_id
         if eod is not None and input_ids is not None:
             if cache is not None and cache.last_tokens is not None:
                 cache.start_documents(cache.last_tokens == eod)  # the token after an EOD starts a document
-            if document_ids is None and not (cache is not None and cache.seqlen > 0 and s == 1):
+            if document_ids is None and not decode:
                 document_ids = count_documents(input_ids, eod)
-        reads = self._reads(modes, b, s, 0 if cache is None else cache.seqlen, hidden.device)
-        for layer in self.layers:
-            hidden = layer(hidden, reads, cache, document_ids)
-        if cache is not None:
-            cache.advance(s, None if input_ids is None else input_ids[:, -1], document_ids)
+        context = MixerContext.build(self.config.mixer_config, self._modes(modes, b, s, offset, hidden.device),
+                                     document_ids, decode=decode)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, context, cache, i)
+        if cache is not None and input_ids is not None:
+            cache.last_tokens = input_ids[:, -1]
         return self.norm(hidden)
 
-    def _reads(self, modes: ModesArg, b: int, s: int, offset: int, device) -> Reads:
-        """``modes`` as ``Reads``: None -> ``config.default_mode``; a mode name or Mode -> every token; a schedule
-        text -> its modes of the fed positions [offset, offset + s) as one prompt; [s] or [b, s] -> per token.
-        A single-mixer model reads its one mixer whatever ``modes`` says (as megatron's)."""
+    def _modes(self, modes: ModesArg, b: int, s: int, offset: int, device) -> Union[None, Mode, Tensor]:
+        """``modes`` as a Mode or [b, s]: None -> ``config.default_mode``; a mode name or Mode -> every token; a
+        schedule text -> its modes of the fed positions [offset, offset + s) as one prompt; [s] or [b, s] -> per
+        token. A single-mixer model reads its one mixer whatever ``modes`` says (as megatron's)."""
         if not self.config.is_multi_mixer:
-            return Reads(Mode.LINEAR, frozenset((Mode.LINEAR,)))
+            return None
         modes = self.config.default_mode if modes is None else modes
         if isinstance(modes, str):
             try:
@@ -143,17 +137,14 @@ class OryxModel(OryxPreTrainedModel):
                 schedule = as_inference_schedule(modes)
                 modes = schedule.position_modes(offset + s, offset + s)[offset:]
         if isinstance(modes, (int, np.integer, Mode)):
-            mode = parse_mode(int(modes), "modes")
-            return Reads(mode, frozenset((mode,)))
+            return parse_mode(int(modes), "modes")
         modes = torch.as_tensor(modes, device=device).long()
         modes = modes.expand(b, s) if modes.dim() == 1 else modes
         if modes.shape != (b, s):
             raise ValueError(f"modes has shape {tuple(modes.shape)}; expected [batch, seq] = [{b}, {s}] or [{s}]")
-        read = frozenset(parse_mode(int(m), "modes") for m in torch.unique(modes).tolist())
-        if len(read) == 1:
-            mode = next(iter(read))
-            return Reads(mode, read)
-        return Reads(modes, read, modes == Mode.ATTENTION)
+        for m in torch.unique(modes).tolist():
+            parse_mode(int(m), "modes")  # unknown values name themselves
+        return modes
 
 
 @dataclass
@@ -195,7 +186,8 @@ class OryxForCausalLM(OryxPreTrainedModel, GenerationMixin):
         """An empty cache for ``batch_size`` sequences in the model's dtype and device (``kv_cache=False``:
         none of keys and values, for linear-only inference)."""
         weight = self.model.embed_tokens.weight
-        return OryxCache(self.config, batch_size, weight.dtype, weight.device, kv_cache)
+        return OryxCache([layer.mixer.allocate_inference_cache(batch_size, weight.dtype, weight.device,
+                                                               kv_cache=kv_cache) for layer in self.model.layers])
 
     def forward(self, input_ids: Optional[Tensor] = None, modes: ModesArg = None,
                 past_key_values: Optional[OryxCache] = None, use_cache: Optional[bool] = None,

@@ -6,7 +6,8 @@ from typing import Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from oryx_megatron.models.builder import ModelArgs, build_model, transformer_config
+from oryx_megatron.config import ModelArgs
+from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from oryx_megatron.training.checkpointing import (
     CONFIG,
@@ -16,7 +17,7 @@ from oryx_megatron.training.checkpointing import (
     load_sharded,
     verify_checkpoint,
 )
-from oryx_megatron.training.config import TrainConfig
+from oryx_megatron.run_config import TrainConfig
 
 
 def resolve_checkpoint(path: str) -> Path:

@@ -1,7 +1,7 @@
 """Router schedules applied: each chunk's mode from the model's router, decided in order, causally.
 
 The router's logit of chunk c reads only the chunk's first token and the tokens before it
-(layers/router.py), and ``ChunkDecisions`` decides chunk c from that logit and the decisions before
+(mixer/router.py), and ``ChunkDecisions`` decides chunk c from that logit and the decisions before
 it (the budget's quota), never from later logits: changing tokens after a chunk's first token never
 changes its decision. A parallel pass (``route_modes``: training-style batches, eval tasks, a prompt's
 prefill) decides every chunk of a sequence at once; generation decides each later chunk at its first

@@ -1,41 +1,18 @@
-"""Core (softmax) attention modules for the layer specs: q, k, v in, output out.
-
-Both take q [b, sq, h, d_k], k [b, sk, h, d_k], v [b, sk, h, d_v] with the queries
-at the last sq positions (bottom-right causal), which serves training (sq == sk) and
-prefill after a cached prefix alike; and ``read`` [b, sq] bool, the positions whose output
-is used (None: all of them); and ``document_ids`` [b, sk] (None: one document), within which a
-query reads.
-"""
+"""Transformer Engine's attention in the Oryx mixer's attention slot (the ``transformer_engine`` spec; the local
+spec takes the mixer core's ``SDPAttention``). Same call as ``oryx_megatron.mixer.attention``."""
 
 from typing import Optional
 
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from oryx_megatron.config import OryxConfig
-from oryx_megatron.ops import get_kernels
-
-
-class SDPAttention(MegatronModule):
-    """Local backend: torch scaled_dot_product_attention (flash on CUDA, math on CPU); with ``read``,
-    only the query blocks holding a reading position (FlexAttention on CUDA)."""
-
-    query_block = 128  # positions per query block of the block-sparse read (FlexAttention's default)
-
-    def __init__(self, config: OryxConfig, layer_number: int = 1):
-        super().__init__(config)
-        self.kernels = get_kernels(config.kernel_backend)
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, read: Optional[Tensor] = None,
-                document_ids: Optional[Tensor] = None) -> Tensor:
-        if read is None:
-            return self.kernels.causal_attention(q, k, v, document_ids=document_ids)
-        return self.kernels.block_sparse_causal_attention(q, k, v, read, self.query_block, document_ids=document_ids)
+from oryx_megatron.layers.config import OryxConfig
+from oryx_megatron.ops import BlockReads
 
 
 class TEAttention(MegatronModule):
-    """Transformer Engine backend: ``transformer_engine.pytorch.DotProductAttention`` (dense: it
-    computes every position whatever ``read`` says)."""
+    """``transformer_engine.pytorch.DotProductAttention`` (dense: it computes every position whatever ``reads``
+    says)."""
 
     def __init__(self, config: OryxConfig, layer_number: int = 1):
         super().__init__(config)
@@ -52,7 +29,7 @@ class TEAttention(MegatronModule):
             layer_number=layer_number,
         )
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, read: Optional[Tensor] = None,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, reads: Optional[BlockReads] = None,
                 document_ids: Optional[Tensor] = None) -> Tensor:
         if document_ids is not None:
             raise NotImplementedError("transformer_impl=transformer_engine does not take packed documents "

@@ -2,7 +2,7 @@
 
 import torch
 
-from oryx_megatron.config import OryxConfig
+from oryx_megatron.layers.config import OryxConfig
 
 
 class RMSNorm(torch.nn.RMSNorm):

@@ -1,4 +1,4 @@
-"""One pre-norm Oryx layer: h = h + MultiMixer(norm(h), modes); h = h + MLP(norm(h))."""
+"""One pre-norm Oryx layer: h = h + MultiMixer(norm(h), context); h = h + MLP(norm(h))."""
 
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -9,8 +9,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
-from oryx_megatron.config import OryxConfig
-from oryx_megatron.layers.multi_mixer import MixerCache
+from oryx_megatron.layers.config import OryxConfig
+from oryx_megatron.mixer import MixerCache, MixerContext
 
 
 @dataclass
@@ -38,14 +38,10 @@ class OryxLayer(MegatronModule):
             tp_group=parallel_state.get_tensor_model_parallel_group(),
         )
 
-    def forward(
-        self,
-        hidden_states: Tensor,
-        modes: Optional[Tensor] = None,
-        inference_cache: Optional[MixerCache] = None,
-        document_ids: Optional[Tensor] = None,
-    ) -> Tensor:
-        out, bias = self.mixer(self.input_layernorm(hidden_states), modes, inference_cache, document_ids)
+    def forward(self, hidden_states: Tensor, context: MixerContext,
+                inference_cache: Optional[MixerCache] = None) -> Tensor:
+        """hidden_states [s, b, hidden]; ``context``: the forward's modes, reads and documents (``MixerContext``)."""
+        out, bias = self.mixer(self.input_layernorm(hidden_states), context, inference_cache)
         hidden_states = hidden_states + self._dropout(out, bias)
         out, bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
         return hidden_states + self._dropout(out, bias)

@@ -5,7 +5,6 @@ the single-mixer baselines ``gdn`` and ``mamba2`` (the same layer with one mixer
 ``transformer`` (megatron's GPTModel with the matching local/TE spec).
 """
 
-from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -17,58 +16,22 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from oryx_megatron.config import OryxConfig, cpu_friendly_defaults, swiglu_defaults
+from oryx_megatron.config import ModelArgs
+from oryx_megatron.layers.config import OryxConfig, cpu_friendly_defaults, swiglu_defaults
 from oryx_megatron.layers.gpt_attention import CausalSDPAttention
 from oryx_megatron.layers.norms import RMSNorm
 from oryx_megatron.models.oryx_model import OryxModel
 from oryx_megatron.models.specs import get_oryx_layer_spec
 
-FAMILY_MIXERS = {
-    "oryx_tg": "attention+gdn",
-    "oryx_tm": "attention+mamba2",
-    "gdn": "gdn",
-    "mamba2": "mamba2",
-    "transformer": None,
-}
-
-
-@dataclass
-class ModelArgs:
-    """Schema of a model recipe (recipes/model/*.yaml)."""
-
-    family: str
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    kv_channels: Optional[int] = None  # d_k; hidden_size // heads when unset
-    value_head_dim: Optional[int] = None  # d_v; d_k when unset
-    ffn_hidden_size: Optional[int] = None  # 4 * hidden_size when unset (megatron's default)
-    vocab_size: int = 50304  # the tokenizer's; the embedding is padded (see padded_vocab_size)
-    make_vocab_size_divisible_by: int = 128
-    max_sequence_length: int = 2048
-    share_embeddings_and_output_weights: bool = True
-    mixer_conv_kernel: int = 4
-    attention_query_conv: bool = False
-    shared_query: bool = False  # one query for both mixers (ablation A1)
-    kv_gate: str = "none"  # multiplicative gates on the shared keys and values: none | silu | sigmoid
-    linear_chunk_size: int = 64
-    init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
-    transformer_impl: str = "local"  # or "transformer_engine"
-    kernel_backend: str = "auto"  # "torch" | "cuda" | "auto"
-    router_hidden: Optional[int] = None  # the chunk router's width (layers/router.py); None: no router
-    router_chunk_size: int = 128  # tokens per router decision
-
 
 def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
-    """An OryxConfig (or a TransformerConfig for ``transformer``) from a recipe.
+    """An OryxConfig (or a TransformerConfig for ``transformer``) from a recipe: every MixerConfig field of the
+    recipe, the model's shape, the SwiGLU layer's defaults.
 
     ``parallel`` holds TransformerConfig fields set by the run, not the recipe:
     tensor_model_parallel_size, sequence_parallel, pipeline_model_parallel_size,
     params_dtype, bf16, perform_initialization, ...
     """
-    if args.family not in FAMILY_MIXERS:
-        raise ValueError(f"model.family={args.family!r}: expected one of {sorted(FAMILY_MIXERS)}")
     common = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -82,13 +45,9 @@ def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
     if not torch.cuda.is_available():
         common.update(cpu_friendly_defaults())
     common.update(parallel)
-    if args.family == "transformer":
+    if args.is_transformer:
         return TransformerConfig(**common)
-    oryx_fields = {"value_head_dim", "mixer_conv_kernel", "attention_query_conv",
-                   "shared_query", "kv_gate", "linear_chunk_size", "transformer_impl", "kernel_backend",
-                   "router_hidden", "router_chunk_size"}
-    extra = {f.name: getattr(args, f.name) for f in fields(args) if f.name in oryx_fields}
-    return OryxConfig(mixers=FAMILY_MIXERS[args.family], **common, **extra)
+    return OryxConfig(**{**args.mixer_fields(), **common}, transformer_impl=args.transformer_impl)
 
 
 def padded_vocab_size(args: ModelArgs, tensor_model_parallel_size: int = 1) -> int:
@@ -123,7 +82,7 @@ def build_model(
         share_embeddings_and_output_weights=args.share_embeddings_and_output_weights,
         vp_stage=vp_stage,
     )
-    if args.family == "transformer":
+    if args.is_transformer:
         return TransformerBaseline(config, _gpt_block_spec(args.transformer_impl, config, vp_stage), **model_kwargs)
     return OryxModel(config, get_oryx_layer_spec(args.transformer_impl), **model_kwargs)
 

@@ -1,11 +1,13 @@
 """OryxModel: embedding -> decoder (N Oryx layers, final norm) -> output layer, a megatron
 LanguageModule laid out like GPTModel.
 
-The per-token ``modes`` [b, s] (or one ``Mode`` read by every token) enter ``forward`` with the
-batch and reach every layer; the same modes apply to every layer for a token. Pipeline stages build only their
+The per-token ``modes`` [b, s] (or one ``Mode`` read by every token) enter ``forward`` with the batch; the
+model turns them, the packed documents and the router's weights into one ``MixerContext`` per forward, which
+every layer receives (the same modes apply to every layer for a token). Pipeline stages build only their
 layers (``pre_process``/``post_process`` as in megatron's GPTModel).
 """
 
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -24,9 +26,10 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor
 
-from oryx_megatron.config import OryxConfig
-from oryx_megatron.layers.multi_mixer import MixerCache
-from oryx_megatron.layers.router import ChunkRouter
+from oryx_megatron.layers.config import OryxConfig
+from oryx_megatron.layers.router import ParallelChunkRouter
+from oryx_megatron.mixer import MixerCache, MixerContext
+from oryx_megatron.ops import Documents
 
 
 def _build_layer(layer_spec: ModuleSpec, config: OryxConfig, layer_number: int):
@@ -64,21 +67,16 @@ class OryxBlock(MegatronModule):
                 eps=config.layernorm_epsilon,
             )
 
-    def forward(
-        self,
-        hidden_states: Tensor,
-        modes: Optional[Tensor] = None,
-        inference_cache: Optional[List[MixerCache]] = None,
-        document_ids: Optional[Tensor] = None,
-    ) -> Tensor:
+    def forward(self, hidden_states: Tensor, context: MixerContext,
+                inference_cache: Optional[List[MixerCache]] = None) -> Tensor:
         recompute = self.config.recompute_granularity == "full" and self.training
         for i, layer in enumerate(self.layers):
             if inference_cache is not None:
-                hidden_states = layer(hidden_states, modes, inference_cache[i], document_ids)
+                hidden_states = layer(hidden_states, context, inference_cache[i])
             elif recompute:  # keep only the layer's input; redo its forward in the backward
-                hidden_states = tensor_parallel.checkpoint(layer, False, hidden_states, modes, None, document_ids)
+                hidden_states = tensor_parallel.checkpoint(partial(layer, context=context), False, hidden_states)
             else:
-                hidden_states = layer(hidden_states, modes, None, document_ids)
+                hidden_states = layer(hidden_states, context)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
@@ -144,7 +142,7 @@ class OryxModel(LanguageModule):
                 skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
                 tp_group=self.tp_group,
             )
-        self.router = ChunkRouter(config) if pre_process and config.router_hidden else None
+        self.router = ParallelChunkRouter(config) if pre_process and config.router_hidden else None
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -160,14 +158,18 @@ class OryxModel(LanguageModule):
         inference_cache: Optional[List[MixerCache]] = None,
         last_token_logits: bool = False,
         document_ids: Optional[Tensor] = None,
+        router_weights: Optional[Tensor] = None,
     ) -> Tensor:
         """input_ids, modes, labels, document_ids: [b, s]. Returns the loss [b, s] given labels, else
         logits [b, s, vocab] (vocab-parallel unless parallel_output=False; [b, 1, vocab] of the last
         position only with ``last_token_logits``, as a prefill needs); a middle pipeline stage returns
         hidden states [s, b, hidden]. ``document_ids`` (packed documents, data.reset_at_eod): each
-        document is read as if alone (``MultiMixer.forward``)."""
+        document is read as if alone. ``router_weights`` [b, s] (joint routing) instead of modes: each token
+        reads linear + w (attention - linear), w 0/1 in value with a gradient to the router."""
+        decode = inference_cache is not None and input_ids.shape[1] == 1 and inference_cache[0].seqlen > 0
+        context = MixerContext.build(self.config, modes, document_ids, router_weights, decode)
         hidden = self.embedding(input_ids, position_ids=None) if self.pre_process else self.input_tensor
-        hidden = self.decoder(hidden, modes, inference_cache, document_ids)
+        hidden = self.decoder(hidden, context, inference_cache)
         if not self.post_process:
             return hidden
         if last_token_logits and labels is None and not self.config.sequence_parallel:
@@ -184,7 +186,8 @@ class OryxModel(LanguageModule):
         over the embedding and the first layer's mixer, before any mode is chosen."""
         first = self._first_routed_layer()
         hidden = first.input_layernorm(self.embedding(input_ids, position_ids=None))  # [s, b, hidden]
-        return self.router(first.mixer.chunk_readouts(hidden, chunk_size, document_ids))
+        documents = None if document_ids is None else Documents(document_ids)
+        return self.router(first.mixer.chunk_readouts(hidden, chunk_size, documents))
 
     def route_step(self, input_ids: Tensor, inference_cache: List[MixerCache]) -> Tensor:
         """``route`` at decode: the logit [b, 1] of the chunk that starts at the new token input_ids [b, 1],

@@ -9,10 +9,11 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from oryx_megatron.layers.attention import SDPAttention, TEAttention
+from oryx_megatron.layers.attention import TEAttention
 from oryx_megatron.layers.multi_mixer import MultiMixer, MultiMixerSubmodules
 from oryx_megatron.layers.norms import RMSNorm
 from oryx_megatron.layers.oryx_layer import OryxLayer, OryxLayerSubmodules
+from oryx_megatron.mixer.attention import SDPAttention
 
 
 def _layer_spec(norm, column_linear, row_linear, core_attention) -> ModuleSpec:

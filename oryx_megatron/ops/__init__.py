@@ -20,10 +20,10 @@ from typing import Callable, Dict, Optional
 import torch
 
 from . import cuda, selection
-from .attention import attention_at, block_sparse_causal_attention, causal_attention, decode_attention
+from .attention import BlockReads, attention_at, block_sparse_causal_attention, causal_attention, decode_attention
 from .conv import causal_conv1d, causal_conv1d_step
+from .documents import Documents
 from .gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
-from .memo import once_per_tensor
 from .norm import gated_rms_norm, kv_gate, upcast
 from .rotary import apply_rotary, rotary_cos_sin, rotary_table
 from .ssd import ssd_chunk_scan, ssd_step
@@ -126,6 +126,8 @@ def _probe_on_cuda(op: str, backward: bool = True) -> Optional[str]:
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV_VAR",
+    "BlockReads",
+    "Documents",
     "Kernels",
     "get_kernels",
     "causal_conv1d",
@@ -139,7 +141,6 @@ __all__ = [
     "gated_rms_norm",
     "decode_attention",
     "attention_at",
-    "once_per_tensor",
     "apply_rotary",
     "rotary_cos_sin",
     "rotary_table",

@@ -2,7 +2,7 @@
 backend chosen by torch), with the queries aligned to the end of the key sequence; and its
 block-sparse form, which computes only the query blocks where some token reads attention."""
 
-from typing import Optional
+from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,32 +37,56 @@ def causal_attention(
     return o.transpose(1, 2)
 
 
+class BlockReads:
+    """The positions that read attention, ``read`` [b, sq] bool, by query blocks of ``block_size`` positions: the
+    block-sparse read of one forward. The model makes one per forward and every layer shares it, with what an
+    attention kernel derives from it (``derived``: the torch op's block lists, FlexAttention's block mask)."""
+
+    def __init__(self, read: torch.Tensor, block_size: int = 128):
+        self.read, self.block_size = read, block_size
+        self._derived: Dict[Hashable, object] = {}
+
+    def derived(self, key: Hashable, build: Callable[[], object]) -> object:
+        """``build()``, computed on the first call with ``key`` and kept."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+    def block_lists(self) -> List[List[int]]:
+        """Per query block, the sequences that read in it (one host sync per forward)."""
+        return self.derived("block_lists", self._block_lists)
+
+    def _block_lists(self) -> List[List[int]]:
+        b, sq = self.read.shape
+        n = -(-sq // self.block_size)
+        blocks = F.pad(self.read, (0, n * self.block_size - sq)).view(b, n, self.block_size).any(-1)  # [b, n]
+        return [[i for i, reads in enumerate(rows) if reads] for rows in blocks.t().tolist()]
+
+
 def block_sparse_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, read: torch.Tensor, block_size: int = 128,
-    scale: Optional[float] = None, document_ids: Optional[torch.Tensor] = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: BlockReads, scale: Optional[float] = None,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention computed only for the query blocks that hold a reading position.
 
     Args:
         q: [b, sq, h, d_k]; k: [b, sk, h, d_k]; v: [b, sk, h, d_v], queries at the last sq positions.
-        read: [b, sq] bool, the positions whose output is wanted.
-        block_size: query positions per block; a block of a sequence is computed when any of its
-            positions reads, against every key up to the block's end.
+        reads: the positions whose output is wanted (``BlockReads``: read [b, sq] bool, by blocks of
+            ``block_size`` query positions); a block of a sequence is computed when any of its positions
+            reads, against every key up to the block's end.
         document_ids: [b, sk] int or None, as ``causal_attention``'s.
     Returns:
         o [b, sq, h, d_v]: equal to ``causal_attention`` at every reading position, zero in blocks
         where no position reads (other positions of a computed block hold their attention output).
     """
-    b, sq = read.shape
-    offset = k.shape[1] - q.shape[1]
-    n_blocks = -(-sq // block_size)
-    block_reads = F.pad(read, (0, n_blocks * block_size - sq)).view(b, n_blocks, block_size).any(-1)  # [b, n]
-    if bool(block_reads.all()):
+    b, sq = reads.read.shape
+    offset, block = k.shape[1] - q.shape[1], reads.block_size
+    lists = reads.block_lists()
+    if all(len(seqs) == b for seqs in lists):
         return causal_attention(q, k, v, scale, document_ids)
     o = q.new_zeros(*q.shape[:3], v.shape[-1])
-    for i, rows in enumerate(block_reads.t().tolist()):  # query block i of every sequence that reads in it
-        lo, hi = i * block_size, min((i + 1) * block_size, sq)
-        seqs = [n for n, reads in enumerate(rows) if reads]
+    for i, seqs in enumerate(lists):  # query block i of every sequence that reads in it
+        lo, hi = i * block, min((i + 1) * block, sq)
         if seqs:
             idx = slice(None) if len(seqs) == b else torch.tensor(seqs, device=q.device)
             docs = None if document_ids is None else document_ids[idx, : offset + hi]

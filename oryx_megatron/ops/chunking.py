@@ -38,10 +38,10 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0))
 
 
-def reset_at_document_starts(log_decay: torch.Tensor, document_ids) -> torch.Tensor:
-    """Log-decays [b, s, h] with -inf at each document start: the state entering the document decays
-    to exactly zero (exp(-inf) = 0), so no term crosses a boundary, in the chunked forms as in the
-    recurrence. ``document_ids`` None: unchanged."""
-    if document_ids is None:
+def reset_at_document_starts(log_decay: torch.Tensor, documents) -> torch.Tensor:
+    """Log-decays [b, s, h] with -inf at each document start of ``documents`` (``Documents``): the state
+    entering the document decays to exactly zero (exp(-inf) = 0), so no term crosses a boundary, in the
+    chunked forms as in the recurrence. ``documents`` None: unchanged."""
+    if documents is None:
         return log_decay
-    return log_decay.masked_fill(document_starts(document_ids)[..., None], -torch.inf)
+    return log_decay.masked_fill(document_starts(documents.ids)[..., None], -torch.inf)

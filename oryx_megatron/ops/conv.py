@@ -10,6 +10,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .documents import Documents
+
 
 def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     if activation is None:
@@ -25,18 +27,18 @@ def causal_conv1d(
     bias: Optional[torch.Tensor] = None,
     initial_state: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
-    document_ids: Optional[torch.Tensor] = None,
+    documents: Optional[Documents] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv over a sequence.
 
     Args:
         x: [b, s, c]; weight: [c, w]; bias: [c] or None;
         initial_state: [b, c, w - 1] (the previous inputs) or None (zeros); activation: "silu" or None.
-        document_ids: [b, s] int or None: a token sees only inputs of its own document (packed
-            documents; the initial state belongs to the first one).
+        documents: packed documents (ids [b, s]) or None: a token sees only inputs of its own document
+            (the initial state belongs to the first one).
     Returns:
         y [b, s, c] (contiguous: attention kernels need a unit stride in the head dim) and the final
-        state [b, c, w - 1] (the last w - 1 inputs of concat(state, x); with document_ids, zeros for
+        state [b, c, w - 1] (the last w - 1 inputs of concat(state, x); with documents, zeros for
         those outside the last token's document), both in x's dtype; the sum runs in the promoted
         dtype of x and weight.
     """
@@ -47,6 +49,7 @@ def causal_conv1d(
         initial_state = x.new_zeros(b, c, w - 1)
     xpad = torch.cat([initial_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [b, c, w - 1 + s]
     bias = None if bias is None else bias.to(dtype)
+    document_ids = None if documents is None else documents.ids
     if document_ids is None:
         y = F.conv1d(xpad.to(dtype), weight.to(dtype)[:, None], bias, groups=c)  # [b, c, s]
     else:

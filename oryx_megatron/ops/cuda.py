@@ -8,7 +8,6 @@ run here is decided by ``selection``. Inputs a kernel does not take (CPU tensors
 numbers never depend on where a tensor happens to live.
 """
 
-import dataclasses
 import functools
 from typing import Tuple
 
@@ -16,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from . import attention, conv, gated_delta_rule, norm, ssd
-from .memo import once_per_tensor
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,18 +30,18 @@ def _conv_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _kernel_takes(x) and 2 <= weight.shape[1] <= 4 and x.shape[-1] % 8 == 0
 
 
-def causal_conv1d(x, weight, bias=None, initial_state=None, activation="silu", document_ids=None):
+def causal_conv1d(x, weight, bias=None, initial_state=None, activation="silu", documents=None):
     """causal-conv1d's `causal_conv1d_fn` (``seq_idx`` for packed documents, which it takes without
     states: with both, the torch op runs); shapes as `conv.causal_conv1d` (x [b, s, c])."""
-    if not _conv_kernel_takes(x, weight) or (document_ids is not None and initial_state is not None):
-        return conv.causal_conv1d(x, weight, bias, initial_state, activation, document_ids)
+    if not _conv_kernel_takes(x, weight) or (documents is not None and initial_state is not None):
+        return conv.causal_conv1d(x, weight, bias, initial_state, activation, documents)
     from causal_conv1d import causal_conv1d_fn
 
     x_cl = x.contiguous().transpose(1, 2)  # [b, c, s], channel-last: states need stride(1) == 1
-    if document_ids is not None:
-        y = causal_conv1d_fn(x_cl, weight, bias, seq_idx=document_ids.to(torch.int32), activation=activation)
+    if documents is not None:
+        y = causal_conv1d_fn(x_cl, weight, bias, seq_idx=documents.seq_idx, activation=activation)
         return y.transpose(1, 2), conv.last_inputs(F.pad(x_cl, (weight.shape[1] - 1, 0)), weight.shape[1],
-                                                   document_ids)
+                                                   documents.ids)
     if initial_state is not None:
         initial_state = initial_state.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)  # [b, c, w-1]
     y, final_state = causal_conv1d_fn(
@@ -64,21 +62,21 @@ def causal_conv1d_step(x, state, weight, bias=None, activation="silu"):
 
 
 def chunk_gated_delta_rule(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64, document_ids=None
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64, documents=None
 ):
     """fla's `chunk_gated_delta_rule` (fp16/bf16 only; it uses its own chunk size of 64; packed
     documents as fla's variable-length batch of one, ``cu_seqlens``); shapes as
     `gated_delta_rule.chunk_gated_delta_rule`."""
     if not _kernel_takes(q, (torch.float16, torch.bfloat16)):
         return gated_delta_rule.chunk_gated_delta_rule(
-            q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, document_ids
+            q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, documents
         )
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
     b, s = q.shape[:2]
     varlen = {}
-    if document_ids is not None:
-        docs = documents(document_ids)
+    if documents is not None:
+        docs = documents.varlen
         q, k, v, g, beta = (t.flatten(0, 1)[None] for t in (q, k, v, g, beta))  # [1, b * s, ...]
         if initial_state is not None:  # the first document of each sample continues it, the others start at 0
             initial_state = initial_state.new_zeros(docs.count, *initial_state.shape[1:]).index_copy(
@@ -88,34 +86,10 @@ def chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, **varlen,
     )  # o [b, s, h, d_v] (or [1, b * s, ...]), final_state [b (or documents), h, d_k, d_v] fp32
-    if document_ids is not None:
+    if documents is not None:
         o = o.view(b, s, *o.shape[2:])
         final_state = None if final_state is None else final_state[docs.last]  # each sample's last document
     return o.to(v.dtype), final_state
-
-
-@dataclasses.dataclass(frozen=True)
-class Documents:
-    """The packed documents of a batch, as fla's variable-length kernels take them."""
-
-    cu_seqlens: torch.Tensor  # [count + 1] long: starts of the documents in the flattened batch, then b * s
-    cu_seqlens_cpu: torch.Tensor  # the same on the host (fla sizes its grid from it: no sync of its own)
-    first: torch.Tensor  # [b] long: the index of each sample's first document
-    last: torch.Tensor  # [b] long: ... and of its last
-    count: int
-
-
-@once_per_tensor
-def documents(document_ids: torch.Tensor) -> Documents:
-    """From document_ids [b, s] (a document starts where the id changes, and at every sample's start):
-    one host sync, once per tensor (every layer of a forward shares it)."""
-    b, s = document_ids.shape
-    starts = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True).flatten()  # [b * s]
-    positions = starts.nonzero().flatten()
-    cu_seqlens = F.pad(positions, (0, 1), value=b * s)
-    per_sample = starts.view(b, s).sum(-1)
-    last = per_sample.cumsum(0) - 1
-    return Documents(cu_seqlens, cu_seqlens.cpu(), last - per_sample + 1, last, len(positions))
 
 
 def gated_delta_rule_step(q, k, v, g, beta, state, scale=None):
@@ -133,16 +107,16 @@ def gated_delta_rule_step(q, k, v, g, beta, state, scale=None):
 
 
 def ssd_chunk_scan(x, dt, A, B, C, D=None, initial_state=None, output_final_state=True, chunk_size=64,
-                   document_ids=None):
+                   documents=None):
     """mamba-ssm's `mamba_chunk_scan_combined` with ngroups = nheads (packed documents as its
     ``seq_idx``); shapes as `ssd.ssd_chunk_scan` (states [b, h, n, p]; mamba's are [b, h, p, n])."""
     if not _kernel_takes(x):
-        return ssd.ssd_chunk_scan(x, dt, A, B, C, D, initial_state, output_final_state, chunk_size, document_ids)
+        return ssd.ssd_chunk_scan(x, dt, A, B, C, D, initial_state, output_final_state, chunk_size, documents)
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     if initial_state is not None:
         initial_state = initial_state.transpose(-1, -2).contiguous()  # [b, h, p, n]
-    seq_idx = None if document_ids is None else document_ids.to(torch.int32)
+    seq_idx = None if documents is None else documents.seq_idx
     out = mamba_chunk_scan_combined(
         x, dt, A, B, C, chunk_size, D=D, initial_states=initial_state, seq_idx=seq_idx,
         return_final_states=output_final_state,
@@ -183,22 +157,23 @@ def ssd_step(x, dt, A, B, C, state, D=None):
 FLEX_BLOCK_SIZE = 128
 
 
-def block_sparse_causal_attention(q, k, v, read, block_size=128, scale=None, document_ids=None):
+def block_sparse_causal_attention(q, k, v, reads, scale=None, document_ids=None):
     """torch's FlexAttention (compiled once for every length: dynamic shapes) with a block mask from
-    ``read`` (and ``document_ids``): query blocks (``block_size`` rounded up to a multiple of
-    FLEX_BLOCK_SIZE) with no reading position are skipped by the kernel, as are the key blocks of
-    other documents; shapes as `attention.block_sparse_causal_attention`."""
+    ``reads`` (``attention.BlockReads``; and ``document_ids``), built once per ``reads`` and key length: query
+    blocks (``reads.block_size`` rounded up to a multiple of FLEX_BLOCK_SIZE) with no reading position are
+    skipped by the kernel, as are the key blocks of other documents; shapes as
+    `attention.block_sparse_causal_attention`."""
     if not _kernel_takes(q):
-        return attention.block_sparse_causal_attention(q, k, v, read, block_size, scale, document_ids)
-    block = -(-block_size // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
+        return attention.block_sparse_causal_attention(q, k, v, reads, scale, document_ids)
+    block, kv_len = -(-reads.block_size // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE, k.shape[1]
+    mask = reads.derived(("flex", kv_len), lambda: read_block_mask(reads.read, kv_len, block, document_ids))
     o = _compiled_flex_attention()(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [b, h, s, d]
-        block_mask=read_block_mask(read, k.shape[1], block, document_ids), scale=scale,
+        block_mask=mask, scale=scale,
     )  # [b, h, sq, d_v]
     return o.transpose(1, 2)
 
 
-@once_per_tensor
 def read_block_mask(read, kv_len: int, block_size: int, document_ids=None):
     """FlexAttention's BlockMask of the block-sparse read, as `attention.block_sparse_causal_attention`
     computes it: query block i (of the last read.shape[1] of kv_len positions) is computed where one of
@@ -206,8 +181,7 @@ def read_block_mask(read, kv_len: int, block_size: int, document_ids=None):
     before its first query are full blocks, the diagonal ones apply the causal mask) and, with
     document_ids [b, kv_len], of its own document (a kv block is full only within one document, and
     skipped when it ends before the query block's first document starts); other blocks are skipped
-    (zeros). Built from [b, n_q, n_kv] block tables (no [b, sq, kv_len] mask is materialised), once per
-    ``read`` tensor (the layers of a forward share one)."""
+    (zeros). Built from [b, n_q, n_kv] block tables (no [b, sq, kv_len] mask is materialised)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     b, sq = read.shape

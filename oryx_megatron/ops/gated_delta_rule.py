@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from .chunking import compute_dtype, from_chunks, reset_at_document_starts, segsum, to_chunks
+from .documents import Documents
 
 
 def chunk_gated_delta_rule(
@@ -25,7 +26,7 @@ def chunk_gated_delta_rule(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = True,
     chunk_size: int = 64,
-    document_ids: Optional[torch.Tensor] = None,
+    documents: Optional[Documents] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked gated delta rule (same numbers as looping `gated_delta_rule_step`).
 
@@ -34,8 +35,8 @@ def chunk_gated_delta_rule(
         g: [b, s, h] log-decay (<= 0); beta: [b, s, h] write strength in (0, 1).
         scale: query scale, default d_k ** -0.5.
         initial_state: [b, h, d_k, d_v] or None (zeros).
-        document_ids: [b, s] int or None: the state restarts from zero where the id changes (packed
-            documents; the first document continues initial_state); the final state is the last one's.
+        documents: packed documents (``Documents``, ids [b, s]) or None: the state restarts from zero where
+            the id changes (the first document continues initial_state); the final state is the last one's.
     Returns:
         o [b, s, h, d_v] in v's dtype; final state [b, h, d_k, d_v] in fp32 (fp64 for fp64
         inputs), or None when not output_final_state.
@@ -53,7 +54,7 @@ def chunk_gated_delta_rule(
 
     q, k, v = (to_chunks(x.to(dtype), chunk_size) for x in (q, k, v))  # [b, h, n, c, d]
     q = q * scale
-    g = reset_at_document_starts(g.to(dtype), document_ids)
+    g = reset_at_document_starts(g.to(dtype), documents)
     g, beta = (to_chunks(x.to(dtype)[..., None], chunk_size) for x in (g, beta))  # [b, h, n, c, 1]
 
     decay = segsum(g[..., 0]).exp()  # [b, h, n, c, c]  exp(G_t - G_j) for j <= t, else 0

@@ -17,6 +17,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .attention import BlockReads
+
 # op -> (implementation name, the distribution that ships it, minimum version)
 IMPLEMENTATIONS: Dict[str, Tuple[str, Optional[str], Optional[str]]] = {
     "causal_conv1d": ("causal_conv1d", "causal-conv1d", "1.4.0"),
@@ -171,8 +173,12 @@ def example_inputs(op: str, device="cpu", dtype=torch.float32, seed: int = 0, *,
         "block_sparse_causal_attention": (q, k, v, read, 32),
         "gated_rms_norm": (v, rand(b, s, h, d), 1 + rand(h * d) * 0.1, 1e-5),
     }[op]
-    return tuple(a.to(device=device, dtype=dtype if a.is_floating_point() else a.dtype) if torch.is_tensor(a) else a
+    args = tuple(a.to(device=device, dtype=dtype if a.is_floating_point() else a.dtype) if torch.is_tensor(a) else a
                  for a in args)
+    if op == "block_sparse_causal_attention":  # the read pattern travels as one BlockReads
+        *qkv, read, block = args
+        return (*qkv, BlockReads(read, block))
+    return args
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

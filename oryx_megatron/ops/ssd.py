@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .chunking import compute_dtype, from_chunks, reset_at_document_starts, segsum, to_chunks
+from .documents import Documents
 
 
 def ssd_chunk_scan(
@@ -25,7 +26,7 @@ def ssd_chunk_scan(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = True,
     chunk_size: int = 64,
-    document_ids: Optional[torch.Tensor] = None,
+    documents: Optional[Documents] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked SSD scan (same numbers as looping `ssd_step`), as mamba's `ssd_minimal_discrete`
     plus an initial state, per-head B/C and any length (the tail is padded with dt = 0).
@@ -34,8 +35,8 @@ def ssd_chunk_scan(
         x: [b, s, h, p] values; dt: [b, s, h] step sizes (already softplus-ed, > 0);
         A: [h] (< 0); B: [b, s, h, n] keys; C: [b, s, h, n] queries; D: [h] skip or None.
         initial_state: [b, h, n, p] or None (zeros).
-        document_ids: [b, s] int or None: the state restarts from zero where the id changes (packed
-            documents; the first document continues initial_state); the final state is the last one's.
+        documents: packed documents (``Documents``, ids [b, s]) or None: the state restarts from zero where
+            the id changes (the first document continues initial_state); the final state is the last one's.
     Returns:
         y [b, s, h, p] in x's dtype; final state [b, h, n, p] in fp32 (fp64 for fp64 inputs),
         or None when not output_final_state.
@@ -46,7 +47,7 @@ def ssd_chunk_scan(
 
     X = to_chunks(x * dt[..., None], chunk_size)  # [b, h, nc, c, p]  the token's write dt_t x_t
     Bc, Cc = (to_chunks(t.to(dtype), chunk_size) for t in (B, C))  # [b, h, nc, c, n]
-    a = reset_at_document_starts(dt * A.to(dtype), document_ids)  # [b, s, h] log-decays
+    a = reset_at_document_starts(dt * A.to(dtype), documents)  # [b, s, h] log-decays
     a = to_chunks(a[..., None], chunk_size)[..., 0]  # [b, h, nc, c]
     decay = segsum(a).exp()  # [b, h, nc, c, c]
 

@@ -52,7 +52,7 @@ from oryx_megatron.ops import cuda, selection
 from oryx_megatron.tools.reporting import write_json
 
 if TYPE_CHECKING:  # megatron is imported when a section needs it, after the warning filters
-    from oryx_megatron.models.builder import ModelArgs
+    from oryx_megatron.config import ModelArgs
 
 DRY_RUN_LABEL = "CPU dry run: nothing here ran on a GPU"
 TRAIN_FAMILIES = ("transformer", "mamba2", "gdn", "oryx_tm", "oryx_tg")
@@ -582,7 +582,7 @@ def train(overrides: List[str], output_dir: Path) -> List[float]:
 
     from oryx_megatron import RECIPES_DIR
     from oryx_megatron.train import pretrain
-    from oryx_megatron.training.config import load_train_config
+    from oryx_megatron.run_config import load_train_config
 
     with initialize_config_dir(str(RECIPES_DIR), version_base=None):
         run = load_train_config(compose("train", overrides=overrides))

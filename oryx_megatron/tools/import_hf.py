@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from oryx_megatron.tools.loading import HF_NEEDS, hf_format_parser
-from oryx_megatron.training.config import ConfigError
+from oryx_megatron.run_config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ from data_prep.tokenizer import EOD_TOKEN, AnyTokenizer, load_tokenizer
 from oryx_megatron.data.loader import parse_blend
 from oryx_megatron.data.shards import Manifest
 from oryx_megatron.inference.checkpoint import load_model
-from oryx_megatron.training.config import TrainConfig
+from oryx_megatron.run_config import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HF_NEEDS = "needs transformers and safetensors: pip install 'oryx-megatron[hf]'"  # oryx-export / oryx-import

@@ -29,7 +29,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from oryx_megatron import RECIPES_DIR
-from oryx_megatron.models.builder import ModelArgs, build_model, transformer_config
+from oryx_megatron.config import ModelArgs
+from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 
 COMPONENTS = ("embedding", "router", "mixer", "mlp", "norm", "output_layer")

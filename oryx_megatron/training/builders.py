@@ -14,7 +14,7 @@ from oryx_megatron.data.indexed import IndexedLoader
 from oryx_megatron.data.loader import ShardLoader
 from oryx_megatron.data.synthetic import MQARLoader
 from oryx_megatron.models.builder import build_model, transformer_config
-from oryx_megatron.training.config import TrainConfig, train_iters
+from oryx_megatron.run_config import TrainConfig, train_iters
 from oryx_megatron.training.optimizer import align_param_order
 
 

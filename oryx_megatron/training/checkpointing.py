@@ -61,6 +61,8 @@ RENAMED_KEYS = (
     (re.compile(r"\bin_proj\."), "linear_in."),  # MultiMixer's fused projections
     (re.compile(r"\bout_proj\."), "linear_out."),
     (re.compile(r"\blinear_mixer\."), ""),  # A_log, dt_bias, D: were MultiMixer's own
+    (re.compile(r"\b(conv_[a-z_]+)\.weight\b"), r"\1"),  # the short convs and output norm: were MultiMixer's
+    (re.compile(r"\bout_norm\.weight\b"), "out_norm_weight"),  # own parameters (before the one mixer core)
 )
 
 
@@ -221,7 +223,7 @@ def _load_yaml(file: Path):
     file cut short within its first sections fails here; one cut in its last sections may not."""
     from omegaconf import OmegaConf
 
-    from oryx_megatron.training.config import TrainConfig
+    from oryx_megatron.run_config import TrainConfig
 
     loaded = OmegaConf.load(file)
     if not isinstance(loaded, DictConfig) or "model" not in loaded:
@@ -256,7 +258,7 @@ def apply_retention(ckpt_dir: str, keep_last: Optional[int], keep_every: Optiona
 
 
 def check_retention(keep_last: Optional[int], keep_every: Optional[int]) -> None:
-    from oryx_megatron.training.config import ConfigError
+    from oryx_megatron.run_config import ConfigError
 
     for key, value in (("checkpoint.keep_last", keep_last), ("checkpoint.keep_every", keep_every)):
         if value is not None and value < 1:
@@ -331,7 +333,7 @@ def _check_optimizer_state(path: Path, common: dict, optimizer) -> None:
     """One line (ConfigError) instead of megatron's deep traceback when the checkpoint's optimizer state
     is not one this run's optimizer loads: a non-distributed optimizer's for a non-distributed one, the
     distributed optimizer's in OPTIMIZER_FORMAT (at any layout) for the distributed one."""
-    from oryx_megatron.training.config import ConfigError
+    from oryx_megatron.run_config import ConfigError
 
     saved = _per_optimizer(common["optimizer"])[0].get("param_state_sharding_type")  # None: not distributed
     distributed = any(isinstance(opt, DistributedOptimizer) for opt in _chained(optimizer))

@@ -1,5 +1,5 @@
 """Post-hoc router training (``router=posthoc``): a trained Oryx model is frozen and only its chunk
-router (layers/router.py) learns where reading attention pays.
+router (mixer/router.py) learns where reading attention pays.
 
     oryx-train router=posthoc router.init_from=runs/demo/checkpoints model.router_hidden=64
 
@@ -42,7 +42,7 @@ from oryx_megatron.models.builder import build_model
 from oryx_megatron.parallel import current_device
 from oryx_megatron.training import checkpointing
 from oryx_megatron.training.builders import build_loader, model_config
-from oryx_megatron.training.config import TrainConfig, train_iters
+from oryx_megatron.run_config import TrainConfig, train_iters
 from oryx_megatron.training.metrics import MetricsLogger
 
 logger = logging.getLogger("oryx_megatron.train")

@@ -18,7 +18,7 @@ from pathlib import Path
 from oryx_megatron.data.loader import parse_blend
 from oryx_megatron.data.shards import Manifest
 from oryx_megatron.launch import distributed_env_from_slurm
-from oryx_megatron.training.config import ConfigError, TrainConfig
+from oryx_megatron.run_config import ConfigError, TrainConfig
 
 logger = logging.getLogger(__name__)
 

@@ -120,7 +120,7 @@ def test_train_global_batch_not_divisible(corpus, tmp_path):
 
 
 def test_global_batch_against_the_data_parallel_size_of_the_launch(corpus, tmp_path, monkeypatch):
-    from oryx_megatron.training.config import ConfigError
+    from oryx_megatron.run_config import ConfigError
     from oryx_megatron.training.validation import validate_run
     from tests.test_train import run_config
 
@@ -138,7 +138,7 @@ def test_recompute_granularity_is_checked_and_old_run_configs_migrate(corpus, tm
     from omegaconf import OmegaConf
 
     from oryx_megatron.inference.checkpoint import migrate_run_config
-    from oryx_megatron.training.config import ConfigError
+    from oryx_megatron.run_config import ConfigError
     from oryx_megatron.training.validation import validate_run
     from tests.test_train import run_config
 

@@ -66,7 +66,8 @@ from tqdm import tqdm
 
 from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import RandomChunks
-from oryx_megatron.models.builder import FAMILY_MIXERS, ModelArgs, build_model, transformer_config
+from oryx_megatron.config import FAMILY_MIXERS, ModelArgs
+from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import current_device, destroy_parallel, initialize_parallel
 from oryx_megatron.tools.params import load_model_args
 from oryx_megatron.tools.reporting import write_json

@@ -1,0 +1,164 @@
+"""The Oryx mixer's hyperparameters, declared once (``MixerConfig``), and the vocabulary of the ``modes`` tensor.
+
+Every front end derives its config from ``MixerConfig`` by one mapping: megatron's ``OryxConfig``
+(layers/config.py) inherits these fields beside TransformerConfig's, the recipe schema ``ModelArgs``
+(config/model.py) inherits them beside the model's shape, and the Hugging Face ``OryxHFConfig`` renames
+them (``hf.configuration.HF_NAMES``). Choices the paper leaves open are fields here (docs/model.md): the
+short-conv activation, whether the attention query gets a conv, rotary embedding in the attention path,
+the head dims d_k (``kv_channels``) and d_v (``value_head_dim``).
+"""
+
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import Dict, Optional, Tuple
+
+
+class Mode(IntEnum):
+    """Values of the ``modes`` tensor [batch, seq]: the mixer each token reads with (room is left
+    for more mixers)."""
+
+    LINEAR = 0
+    ATTENTION = 1
+
+
+ATTENTION = "attention"
+KV_GATES = ("none", "silu", "sigmoid")
+CONV_ACTIVATIONS = ("silu", None)
+
+
+class MixerConfigError(ValueError):
+    """A bad mixer hyperparameter; ``field`` names it (a run config reports it as ``model.<field>``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class MixerConfig:
+    """The hyperparameters of one Oryx mixer (and of the single-mixer baselines built from it).
+
+    ``num_attention_heads`` is the number of heads H of the block, shared by both mixers; ``kv_channels``
+    is d_k (keys and both queries) and ``value_head_dim`` d_v. Which linear mixers exist is the mixer
+    core's registry (``oryx_megatron.mixer.linear.LINEAR_MIXERS``); this schema checks the rest.
+    """
+
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+
+    kv_channels: Optional[int] = None
+    """d_k; hidden_size // num_attention_heads when unset."""
+
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of the per-head output norm (and of the layer norms)."""
+
+    mixers: str = "attention+gdn"
+    """'+'-separated mixers of every layer: 'attention+gdn' (Oryx-TG), 'attention+mamba2' (Oryx-TM), or one
+    mixer alone for the single-mixer baselines ('gdn', 'mamba2'); at most one linear mixer."""
+
+    value_head_dim: Optional[int] = None
+    """d_v; defaults to kv_channels (d_k)."""
+
+    mixer_conv_kernel: int = 4
+    """Width of the depthwise causal short convs on K, V and the linear query."""
+
+    mixer_conv_activation: Optional[str] = "silu"
+    """Activation after the short convs: 'silu' or None."""
+
+    attention_query_conv: bool = False
+    """Give the attention query a short conv too (off = a plain Transformer query)."""
+
+    shared_query: bool = False
+    """One query for both mixers: the linear query is also the attention query, as the key is (ablation A1).
+    Multi-mixer only."""
+
+    kv_gate: str = "none"
+    """Multiplicative gates on the shared keys and values, from the layer input:
+    k_t = act(conv_k(W_K x))_t * gate(W_KG x_t), likewise v; 'none', 'silu' or 'sigmoid'."""
+
+    attention_rotary: bool = True
+    """Rotary embedding on the attention query and key (inside the attention path only)."""
+
+    rotary_base: float = 10000.0
+
+    linear_chunk_size: int = 64
+    """Chunk length of the chunked linear-recurrence kernels (not the mode chunk)."""
+
+    A_init_range: Tuple[float, float] = (1.0, 16.0)
+    """Decay rates A = exp(A_log) drawn uniformly from this range (Mamba-2's initialisation)."""
+
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    """Time steps drawn log-uniformly from [dt_min, dt_max], at least dt_init_floor (dt_bias = softplus^-1)."""
+
+    kernel_backend: str = "auto"
+    """'auto' (CUDA kernels where present, env ORYX_KERNEL_BACKEND overrides), 'torch' or 'cuda'."""
+
+    router_hidden: Optional[int] = None
+    """Width of the chunk router's hidden layer (mixer/router.py); None: no router. Multi-mixer only."""
+
+    router_chunk_size: int = 128
+    """Tokens per router decision (the training mode chunk by default; a schedule may choose another)."""
+
+    def __post_init__(self):
+        self.check_mixer_fields()
+
+    def check_mixer_fields(self) -> None:
+        """Fill the derived defaults (d_k, d_v) and check every field; MixerConfigError names the first bad one."""
+        if self.kv_channels is None and self.num_attention_heads:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.value_head_dim is None:
+            self.value_head_dim = self.kv_channels
+        self.A_init_range = tuple(self.A_init_range)
+        mixers = self.mixer_list
+        if not mixers or len(set(mixers)) != len(mixers):
+            raise MixerConfigError("mixers", f"mixers={self.mixers!r}: expected distinct mixers joined by '+', "
+                                             "e.g. 'attention+gdn'")
+        if sum(m != ATTENTION for m in mixers) > 1:
+            raise MixerConfigError("mixers", f"mixers={self.mixers!r}: at most one linear mixer per layer")
+        for name in ("hidden_size", "num_attention_heads", "kv_channels", "value_head_dim", "mixer_conv_kernel",
+                     "linear_chunk_size", "router_chunk_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise MixerConfigError(name, f"{name}={getattr(self, name)!r} must be a positive integer")
+        choices = {"mixer_conv_activation": CONV_ACTIVATIONS, "kv_gate": KV_GATES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise MixerConfigError(name, f"{name}={getattr(self, name)!r}: expected one of {allowed}")
+        if self.router_hidden is not None and (self.router_hidden < 1 or not self.is_multi_mixer):
+            raise MixerConfigError("router_hidden", f"router_hidden={self.router_hidden}: a router is a positive "
+                                                    f"width and chooses between two mixers, got mixers={self.mixers!r}")
+        if self.shared_query and not self.is_multi_mixer:
+            raise MixerConfigError("shared_query", f"shared_query=True needs two mixers to share it, got "
+                                                   f"mixers={self.mixers!r}")
+        if self.attention_rotary and self.kv_channels % 2:
+            raise MixerConfigError("kv_channels", f"kv_channels={self.kv_channels} must be even for rotary embedding")
+        low, high = self.A_init_range
+        if not 0 < low <= high:
+            raise MixerConfigError("A_init_range", f"A_init_range={self.A_init_range}: expected 0 < low <= high")
+        if not 0 < self.dt_min <= self.dt_max:
+            raise MixerConfigError("dt_min", f"dt_min={self.dt_min}, dt_max={self.dt_max}: expected 0 < dt_min <= dt_max")
+
+    @property
+    def mixer_list(self) -> Tuple[str, ...]:
+        return tuple(m.strip() for m in self.mixers.split("+") if m.strip())
+
+    @property
+    def has_attention(self) -> bool:
+        return ATTENTION in self.mixer_list
+
+    @property
+    def linear_mixer(self) -> Optional[str]:
+        """The linear mixer's name ('gdn', 'mamba2', ...) or None."""
+        return next((m for m in self.mixer_list if m != ATTENTION), None)
+
+    @property
+    def is_multi_mixer(self) -> bool:
+        return len(self.mixer_list) > 1
+
+    def mixer_fields(self) -> Dict[str, object]:
+        """This config's values of MixerConfig's fields (what a front end's config maps)."""
+        return {f.name: getattr(self, f.name) for f in fields(MixerConfig)}
+
+
+MIXER_FIELDS = tuple(f.name for f in fields(MixerConfig))

@@ -1,0 +1,20 @@
+"""The Oryx mixer, written once in plain torch (no megatron, no transformers): the projection layout, the K/V
+gate, short convs, rotary, both mixers' parallel forward and decode step, readout selection, the per-layer
+inference state and the chunk router. The megatron layer (``oryx_megatron.layers``) and the Hugging Face
+model (``oryx_megatron.hf``) hold its parameters and call it.
+
+- ``OryxMixer`` (oryx_mixer.py) and its ``MixerLayout``; ``linear``: the linear mixers (``LINEAR_MIXERS``);
+- ``MixerContext``: what every layer of one forward shares (modes, reads, documents, router weights);
+- ``MixerCache``: one layer's inference state; ``ChunkRouter``: the router.
+"""
+
+from oryx_megatron.mixer.context import QUERY_BLOCK, MixerContext
+from oryx_megatron.mixer.heads import HeadModule, HeadShard
+from oryx_megatron.mixer.layout import MixerLayout
+from oryx_megatron.mixer.linear import LINEAR_MIXERS, LinearMixer, linear_mixer_class
+from oryx_megatron.mixer.oryx_mixer import OryxMixer
+from oryx_megatron.mixer.router import ChunkRouter
+from oryx_megatron.mixer.state import KV_BLOCK, MixerCache, MixerSnapshot
+
+__all__ = ["ChunkRouter", "HeadModule", "HeadShard", "KV_BLOCK", "LINEAR_MIXERS", "LinearMixer", "MixerCache",
+           "MixerContext", "MixerLayout", "MixerSnapshot", "OryxMixer", "QUERY_BLOCK", "linear_mixer_class"]

@@ -1,0 +1,309 @@
+"""The Oryx multi-mixer: causal softmax attention and a linear recurrent mixer (Gated DeltaNet, Mamba-2, ...:
+``mixer/linear``) sharing keys, values, output gate and output projection. Written once, in plain torch: the
+megatron layer (layers/multi_mixer.py) and the Hugging Face model (hf/modeling.py) hold its parameters and
+call it.
+
+Per token t and head h (design card, section 2):
+
+    shared     k_t = act(conv_k(W_K x))_t     v_t = act(conv_v(W_V x))_t     g_t = W_G x_t
+    attention  o_t = softmax-attention(rope(W_QA x_t), rope(k_{<=t}), v_{<=t})
+    gdn        S_t = (I - b_t k_t k_t^T) exp(a_t) S_{t-1} + b_t k_t v_t^T,  o_t = S_t^T q_t / sqrt(d_k)
+               (q, k L2-normalised; q_t = act(conv_q(W_QL x))_t)
+    mamba2     S_t = exp(A dt_t) S_{t-1} + dt_t k_t v_t^T,                 o_t = S_t^T q_t + D v_t
+    output     out_t = W_O( RMSNorm_per_head(o_t of the token's mode) * silu(g_t) )
+
+With ``shared_query`` (ablation A1) attention reads with the linear query q_t instead of W_QA x_t; with
+``kv_gate`` the shared k_t and v_t are also multiplied by gate(W_KG x_t), gate(W_VG x_t).
+
+Both memories (KV cache and recurrent state) absorb every token whatever its mode; the forward's
+``MixerContext`` says which mixer each token reads, and only what is read is computed: attention over the
+query blocks that hold a reader, the linear scan when a token reads it or its state is kept.
+
+All streams come from one head-major projection ``in_proj`` (``MixerLayout``), so tensor parallelism splits
+heads: a column-parallel ``in_proj`` hands each rank whole heads, the convs, norm weight and the linear mixer's
+scalars are split with their heads (``HeadShard``), and ``out_proj`` is row-parallel.
+"""
+
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from oryx_megatron.config import MixerConfig, Mode
+from oryx_megatron.mixer.attention import SDPAttention
+from oryx_megatron.mixer.context import MixerContext
+from oryx_megatron.mixer.heads import GatedRMSNorm, HeadModule, HeadShard, ShortConv
+from oryx_megatron.mixer.layout import MixerLayout
+from oryx_megatron.mixer.linear import linear_mixer_class
+from oryx_megatron.mixer.state import KV_BLOCK, MixerCache
+from oryx_megatron.ops import Documents, apply_rotary, attention_at, decode_attention, get_kernels, kv_gate, \
+    rotary_table, upcast
+
+READ_LINEAR = MixerContext(Mode.LINEAR, frozenset((Mode.LINEAR,)))
+
+
+class OryxMixer(HeadModule):
+    """Hidden states [b, s, hidden] in and out, through ``in_proj`` and ``out_proj`` (plain ``nn.Linear`` unless a
+    front end passes its own and overrides ``_project`` / ``_output`` for its layout); ``core_attention``: the
+    attention slot (default ``SDPAttention``)."""
+
+    def __init__(self, config: MixerConfig, shard: HeadShard = HeadShard(), in_proj: Optional[nn.Module] = None,
+                 out_proj: Optional[nn.Module] = None, core_attention: Optional[nn.Module] = None):
+        super().__init__(config, shard)
+        self.layout = MixerLayout.of(config)
+        self.kernels = get_kernels(config.kernel_backend)
+        self.d_k, self.d_v = config.kv_channels, config.value_head_dim
+        heads, make = config.num_attention_heads, dict(dtype=shard.dtype, device=shard.device)
+        if in_proj is None:
+            in_proj = nn.Linear(config.hidden_size, heads * self.layout.width, bias=False, **make)
+        self.in_proj = in_proj
+        if self.layout.attention_query is not None:
+            self.core_attention = SDPAttention(config) if core_attention is None else core_attention
+        self.out_proj = nn.Linear(heads * self.d_v, config.hidden_size, bias=False, **make) if out_proj is None \
+            else out_proj
+        for name in self.layout.conv_streams:  # conv_k, conv_v, conv_q_lin, ...
+            self.add_module(f"conv_{name}", ShortConv(config, shard, self.layout.streams[name]))
+        self.out_norm = GatedRMSNorm(config, shard, self.kernels)
+        linear = linear_mixer_class(config)
+        self.linear_mixer = None if linear is None else linear(config, shard, self.kernels)
+        self.recompute = False  # keep only the projections for the backward (megatron's selective recompute)
+
+    # ---- the parallel forward (training, prefill) ----
+    def forward(self, hidden: Tensor, context: MixerContext, cache: Optional[MixerCache] = None):
+        """hidden [b, s, hidden] -> [b, s, hidden]. With ``cache`` the tokens continue the cached ones (prefill);
+        one token after cached ones is a decode step (``step``)."""
+        if cache is not None and cache.seqlen > 0 and self._tokens(hidden) == 1:
+            return self.step(hidden, context, cache)
+        x = self._project(hidden)  # stream -> [b, s, h, width]
+        if self.recompute and self.training and cache is None:
+            y = checkpoint(self._mix, x, context, None, use_reentrant=False)
+        else:
+            y = self._mix(x, context, cache)
+        return self._output(y)
+
+    def _mix(self, x: Dict[str, Tensor], context: MixerContext, cache: Optional[MixerCache]) -> Tensor:
+        """Projected streams -> each token's read, normed and gated: [b, s, h, d_v]."""
+        x = dict(x)  # a recomputation gets the projected streams again
+        for name in self.layout.conv_streams:  # shared short convs (and the linear query's)
+            state = cache.conv_states[name] if cache is not None and cache.seqlen > 0 else None
+            x[name], state = self._conv(x[name], name, state, context.documents)
+            if cache is not None:
+                cache.conv_states[name].copy_(state)
+        self._gate_keys_and_values(x)
+
+        outputs = {}
+        if self.layout.attention_query is not None:
+            o = self._attend(x[self.layout.attention_query], x["k"], x["v"], context, cache)
+            if o is not None:
+                outputs[Mode.ATTENTION] = o
+        if self.linear_mixer is not None and (Mode.LINEAR in context.reads or cache is not None):  # absorbs all
+            initial = cache.recurrent_state if cache is not None else None
+            outputs[Mode.LINEAR], state = self.linear_mixer(x, initial, output_final_state=cache is not None,
+                                                            documents=context.documents)
+            if cache is not None:
+                cache.recurrent_state.copy_(state)
+        if cache is not None:
+            if context.documents is not None:
+                cache.after_documents(context.documents.ids)
+            cache.advance(x["k"].shape[1])
+        return self._gated_norm(self._select(outputs, context), x["g"])
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, context: MixerContext,
+                cache: Optional[MixerCache]) -> Optional[Tensor]:
+        """Causal softmax read over all earlier tokens (cached ones included) of the token's document: [b, s, h,
+        d_v], or None when no token reads it. The cache stores every token's key and value whatever its mode."""
+        offset = cache.seqlen if cache is not None else 0
+        end = offset + q.shape[1]
+        q, k = self._rotate(q, k, slice(offset, end), end)
+        document_ids = context.document_ids
+        if cache is not None:
+            if cache.key is None:
+                return self._refuse_attention_without_kv_cache(context)
+            k, v = cache.append(k, v)
+            if offset:  # the cached keys of earlier documents (MixerCache.start_documents) are not read
+                new = document_ids if document_ids is not None else q.new_zeros(q.shape[:2], dtype=torch.long)
+                document_ids = cache.key_document_ids(new)  # [b, offset + s]
+        if Mode.ATTENTION not in context.reads:
+            return None
+        return self.core_attention(q, k, v, context.attention_readers, document_ids)
+
+    # ---- one-token decode ----
+    def step(self, hidden: Tensor, context: MixerContext, cache: MixerCache, readouts: Optional[Tensor] = None):
+        """Decode one token per sequence: hidden [b, 1, hidden] (in the front end's layout); ``context`` built with
+        ``decode=True`` (or one Mode). With ``readouts`` [b, h, 2, d_v] both mixers read and their reads are
+        written there (``step_readouts``). Positions come from the cache's ``position`` tensor and every state is
+        written in place: no host synchronisation, so the step can be captured in a CUDA graph."""
+        x = {name: t.squeeze(1) for name, t in self._project(hidden).items()}  # [b, h, width]
+        for name in self.layout.conv_streams:
+            b, h, d = x[name].shape
+            y, state = self.kernels.causal_conv1d_step(x[name].reshape(b, h * d), cache.conv_states[name],
+                                                       getattr(self, f"conv_{name}").weight,
+                                                       activation=self.config.mixer_conv_activation)
+            cache.conv_states[name].copy_(state)
+            x[name] = y.view(b, h, d)
+        self._gate_keys_and_values(x)
+
+        outputs = {}
+        if self.layout.attention_query is not None:
+            if cache.key is None:
+                self._refuse_attention_without_kv_cache(context)
+            else:
+                cache.reserve(cache.seqlen + 1)  # host-side; a graph runner reserves before replaying
+                q, k = self._rotate(x[self.layout.attention_query][:, None], x["k"][:, None],
+                                    cache.position.view(1), cache.capacity)
+                cache.write_at_position(k, x["v"][:, None])
+                if Mode.ATTENTION in context.reads or readouts is not None:
+                    outputs[Mode.ATTENTION] = decode_attention(q, cache.key, cache.value, cache.position,
+                                                               cache.document_start)
+        if self.linear_mixer is not None:
+            o, state = self.linear_mixer.step(x, cache.recurrent_state)
+            outputs[Mode.LINEAR] = o[:, None]
+            cache.recurrent_state.copy_(state)
+        cache.advance(1)
+        gate = x["g"][:, None]
+        if readouts is not None:
+            readouts.copy_(self._readouts(outputs[Mode.ATTENTION], outputs[Mode.LINEAR], gate)[:, 0])
+            outputs = {mode: outputs[mode] for mode in context.reads if mode in outputs}
+        return self._output(self._gated_norm(self._select(outputs, context), gate))
+
+    def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
+                                 capacity: Optional[int] = None, kv_cache: bool = True) -> MixerCache:
+        """An empty cache: zero conv and recurrent states, KV buffers of ``capacity`` positions (default
+        KV_BLOCK; grown when exceeded), none at all when ``kv_cache`` is False (linear mode only)."""
+        h, w = self.num_heads, self.config.mixer_conv_kernel
+        conv_states = {name: torch.zeros(batch_size, h * self.layout.streams[name], w - 1, dtype=dtype, device=device)
+                       for name in self.layout.conv_streams}
+        key = value = None
+        if self.layout.attention_query is not None and kv_cache:
+            capacity = -(-(capacity or KV_BLOCK) // KV_BLOCK) * KV_BLOCK
+            key = torch.zeros(batch_size, capacity, h, self.d_k, dtype=dtype, device=device)
+            value = torch.zeros(batch_size, capacity, h, self.d_v, dtype=dtype, device=device)
+        recurrent = None
+        if self.linear_mixer is not None:
+            state_dtype = torch.promote_types(dtype, torch.float32)
+            recurrent = torch.zeros(self.linear_mixer.state_shape(batch_size), dtype=state_dtype, device=device)
+        position = torch.zeros((), dtype=torch.long, device=device)
+        document_start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return MixerCache(conv_states, key, value, recurrent, position, document_start)
+
+    # ---- what a router reads (mixer/router.py) ----
+    def chunk_readouts(self, hidden: Tensor, chunk_size: int, documents: Optional[Documents] = None) -> Tensor:
+        """Both mixers' reads of the first token of every chunk of ``chunk_size`` positions: hidden -> [b,
+        ceil(s / chunk_size), h, 2, d_v] (``_readouts``). Neither read depends on any token's mode (both
+        memories absorb every token): in the first layer, whose input does not depend on modes either, they
+        are known before any mode is chosen."""
+        self._require_both_mixers()
+        x = self._project(hidden)  # stream -> [b, s, h, d]
+        for name in self.layout.conv_streams:
+            x[name], _ = self._conv(x[name], name, None, documents)
+        self._gate_keys_and_values(x)
+        s = x["k"].shape[1]
+        starts = torch.arange(0, s, chunk_size, device=x["k"].device)  # [n]
+        q = self._rotary(x[self.layout.attention_query][:, starts], starts, s)  # [b, n, h, d_k]
+        document_ids = None if documents is None else documents.ids
+        attention = attention_at(q, self._rotary(x["k"], slice(0, s), s), x["v"], starts, document_ids)
+        linear, _ = self.linear_mixer(x, documents=documents)  # [b, s, h, d_v]
+        return self._readouts(attention, linear[:, starts], x["g"][:, starts])
+
+    def step_readouts(self, hidden: Tensor, cache: MixerCache) -> Tensor:
+        """``chunk_readouts`` of one new token at decode: hidden [b, 1, hidden] (the front end's layout) -> [b, 1,
+        h, 2, d_v], the cache left as it was (the token's own step follows, with the mode decided from these)."""
+        self._require_both_mixers()
+        readouts = hidden.new_empty(cache.document_start.shape[0], self.num_heads, 2, self.d_v)
+        snapshot = cache.snapshot()
+        try:  # the step writes the token's key and value, which its real step rewrites
+            self.step(hidden, READ_LINEAR, cache, readouts)
+        finally:
+            cache.restore(snapshot)
+        return readouts[:, None]
+
+    def _require_both_mixers(self) -> None:
+        if not self.config.is_multi_mixer:
+            raise ValueError(f"a router reads both mixers: mixers={self.config.mixers!r} has one")
+
+    def _readouts(self, attention: Tensor, linear: Tensor, gate: Tensor) -> Tensor:
+        """[b, n, h, d_v] reads and their gate -> [b, n, h, 2, d_v]: per head the attention read minus the
+        linear one, and the linear one, each normed and gated as the layer's output is."""
+        y_attention, y_linear = (self._gated_norm(y, gate) for y in (attention, linear))
+        return torch.stack([y_attention - y_linear, y_linear], dim=-2)
+
+    # ---- pieces shared by forward and step ----
+    def _tokens(self, hidden: Tensor) -> int:
+        """Tokens per sequence of hidden states in this front end's layout ([b, s, hidden] here)."""
+        return hidden.shape[1]
+
+    def _project(self, hidden: Tensor) -> Dict[str, Tensor]:
+        """[b, s, hidden] -> stream -> [b, s, h, width]."""
+        b, s = hidden.shape[:2]
+        proj = self.in_proj(hidden).view(b, s, self.num_heads, -1)
+        return dict(zip(self.layout.streams, proj.split(list(self.layout.streams.values()), dim=-1)))
+
+    def _output(self, y: Tensor):
+        """Shared W_O: [b, s, h, d_v] -> [b, s, hidden]."""
+        return self.out_proj(y.reshape(*y.shape[:2], -1))
+
+    def _conv(self, x: Tensor, name: str, state: Optional[Tensor],
+              documents: Optional[Documents]) -> Tuple[Tensor, Tensor]:
+        b, s, h, d = x.shape
+        y, final_state = self.kernels.causal_conv1d(
+            x.reshape(b, s, h * d), getattr(self, f"conv_{name}").weight, initial_state=state,
+            activation=self.config.mixer_conv_activation, documents=documents,
+        )
+        return y.view(b, s, h, d), final_state
+
+    def _gate_keys_and_values(self, x: Dict[str, Tensor]) -> None:
+        """k *= gate(W_KG x), v *= gate(W_VG x) with ``kv_gate`` (in fp32 or wider)."""
+        if self.config.kv_gate == "none":
+            return
+        for name in ("k", "v"):
+            x[name] = kv_gate(x[name], x[f"{name}_gate"], self.config.kv_gate)
+
+    def _rotate(self, q: Tensor, k: Tensor, positions: Union[slice, Tensor], length: int) -> Tuple[Tensor, Tensor]:
+        """Rotary embedding of q, k [b, s, h, d_k] at ``positions`` (a slice, or [s] on the device) of a shared
+        table of at least ``length`` positions (a no-op without rotary)."""
+        return self._rotary(q, positions, length), self._rotary(k, positions, length)
+
+    def _rotary(self, x: Tensor, positions: Union[slice, Tensor], length: int) -> Tensor:
+        if not self.config.attention_rotary:
+            return x
+        cos, sin = rotary_table(length, self.d_k, self.config.rotary_base, x.device, upcast(x).dtype)
+        return apply_rotary(x, cos[positions], sin[positions])  # cos, sin [s, d_k]
+
+    @staticmethod
+    def _refuse_attention_without_kv_cache(context: MixerContext) -> None:
+        if Mode.ATTENTION in context.reads:
+            raise ValueError("a token reads attention but this inference cache keeps no KV cache "
+                             "(kv_cache=False, --no-kv-cache): use a linear-only schedule, or keep the KV cache")
+
+    def _select(self, outputs: Dict[Mode, Tensor], context: MixerContext) -> Tensor:
+        """Each token reads with its mode's mixer: [b, s, h, d_v]."""
+        if isinstance(context.modes, Mode):
+            return outputs[context.modes]
+        if len(outputs) == 1:  # every token reads the one computed
+            return next(iter(outputs.values()))
+        attention, linear = outputs[Mode.ATTENTION], outputs[Mode.LINEAR]
+        if context.router_weights is not None:  # 0/1 in value, a gradient to the router
+            return linear + context.router_weights[:, :, None, None].to(linear.dtype) * (attention - linear)
+        return torch.where((context.modes == Mode.ATTENTION)[:, :, None, None], attention, linear)
+
+    def _gated_norm(self, y: Tensor, gate: Tensor) -> Tensor:
+        """Shared per-head norm and output gate: [b, s, h, d_v] (``GatedRMSNorm``)."""
+        return self.out_norm(y, gate)
+
+    # ---- accounting ----
+    def parameter_counts(self) -> Dict[str, int]:
+        """Parameters (this rank) by use: 'shared' by every mixer, or specific to one mode: the input-projection
+        rows (and conv) of a stream only that mode reads, and for linear mode the linear mixer's own
+        parameters."""
+        total = sum(p.numel() for p in self.parameters())
+        if not self.config.is_multi_mixer:
+            return {"shared": total, "attention": 0, "linear": 0}
+        attention, linear = {self.layout.attention_query}, set(self.layout.linear_streams)
+        specific = {"attention": 0, "linear": sum(p.numel() for p in self.linear_mixer.parameters())}
+        for mode, only in (("attention", attention - linear), ("linear", linear - attention)):
+            for name in only:
+                specific[mode] += self.num_heads * self.layout.streams[name] * self.config.hidden_size
+                if name in self.layout.conv_streams:
+                    specific[mode] += getattr(self, f"conv_{name}").weight.numel()
+        return {"shared": total - sum(specific.values()), **specific}

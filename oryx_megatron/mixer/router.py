@@ -1,0 +1,63 @@
+"""The chunk router: for each chunk of the sequence, the logit that its tokens should read attention.
+
+Causal by construction: the logit of chunk c reads only the chunk's first token and the tokens before it,
+through the first layer's two reads of that token (``OryxMixer.chunk_readouts``): per head the attention
+read minus the linear read, and the linear read, each normed and gated as the layer's output is:
+
+    f_c     = [y_attn - y_lin, y_lin](t = c * chunk)          [h, 2, d_v], layer 1
+    logit_c = w2 . gelu(W1 f_c + b1) + b2
+
+Every token of chunk c sits at or after its first token, so the model stays causal: a token's output
+depends on no later token through its mode. The first token is the one that can say a chunk needs
+attention (a query key, a name asked about), which the token before it often cannot; the price is a
+decision made inside the chunk's first step at decode (one more step of the first layer's mixer per chunk,
+on a snapshot of its cache). Neither read depends on any token's mode, so every chunk's logit comes from one
+parallel pass over the first layer, before any mode is chosen. The difference of the two reads is the
+attention-derived feature the "routing paradox" (arXiv 2603.20997) finds a router needs: where the memories
+disagree, reading attention changes the output.
+
+Tensor parallelism: f is split with its heads, so a megatron front end makes W1 row-parallel
+(layers/router.py).
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from oryx_megatron.config import MixerConfig
+
+
+class ChunkRouter(nn.Module):
+    """features [b, n, h, 2, d_v] -> logits [b, n] (chunks 0..n-1); ``fc1``: W1 (default a plain nn.Linear)."""
+
+    def __init__(self, config: MixerConfig, dtype: torch.dtype = torch.float32, fc1: Optional[nn.Module] = None):
+        super().__init__()
+        hidden = config.router_hidden
+        features = config.num_attention_heads * 2 * config.value_head_dim
+        self.fc1 = nn.Linear(features, hidden, dtype=dtype) if fc1 is None else fc1
+        self.fc2 = nn.Linear(hidden, 1, dtype=dtype)
+        with torch.no_grad():  # every chunk starts at p = 0.5
+            self.fc2.weight.zero_()
+            self.fc2.bias.zero_()
+        # percentiles 0..100 of p(attention) over held-out chunks, written by router training: a budget's
+        # threshold (NaN: not calibrated)
+        self.register_buffer("calibration", torch.full((101,), torch.nan, dtype=torch.float64))
+        # joint training's price of attention (the budget term's weight, adapted to hold the budget)
+        self.register_buffer("price", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self._hidden(features.flatten(2))))[..., 0]  # [b, n]
+
+    def _hidden(self, features: Tensor) -> Tensor:
+        """W1 f + b1: [b, n, features] -> [b, n, hidden]."""
+        return self.fc1(features)
+
+    def budget_threshold(self, budget: float) -> float:
+        """The probability that (1 - budget) of the held-out chunks stay below: a budget's threshold."""
+        threshold = float(self.calibration[round((1 - budget) * 100)])
+        if threshold != threshold:
+            raise ValueError(f"'router budget={budget}' needs a calibrated router (router training writes its "
+                             "calibration); this one is not: use 'router threshold=P'")
+        return threshold

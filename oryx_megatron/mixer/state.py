@@ -1,0 +1,122 @@
+"""The per-layer inference state of the Oryx mixer (``MixerCache``): conv states, KV cache, recurrent state and
+document bookkeeping, updated in place on every token whatever its mode; snapshots to return to an earlier
+position (speculative decoding, router decisions at decode)."""
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+KV_BLOCK = 256  # KV cache positions allocated at a time
+
+
+@dataclass
+class MixerSnapshot:
+    """What ``MixerCache.restore`` needs to return to an earlier position (speculative decoding)."""
+
+    conv_states: Dict[str, Tensor]
+    recurrent_state: Optional[Tensor]
+    document_start: Tensor
+    seqlen: int
+
+
+@dataclass
+class MixerCache:
+    """Inference state of one layer, updated in place on every token whatever its mode.
+
+    Keys and values live in preallocated buffers of ``capacity`` positions (grown by KV_BLOCK
+    when a prefill or ``reserve`` needs more); the first ``seqlen`` hold the tokens so far.
+    ``position`` is ``seqlen`` as a device tensor: the one-token step reads and advances only it,
+    so that step can be captured in a CUDA graph (a replay leaves ``seqlen`` to the caller).
+    """
+
+    conv_states: Dict[str, Tensor]  # stream -> [b, channels, conv_kernel - 1]
+    key: Optional[Tensor]  # [b, capacity, h, d_k], rotated; None: no KV cache kept
+    value: Optional[Tensor]  # [b, capacity, h, d_v]
+    recurrent_state: Optional[Tensor]  # [b, h, d_k, d_v] fp32, None for attention-only
+    position: Tensor  # 0-dim long, on the device
+    document_start: Tensor  # [b] long: where each sequence's current document starts (keys before it are not read)
+    seqlen: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.key is None else self.key.shape[1]
+
+    def reserve(self, n_tokens: int) -> bool:
+        """Room for ``n_tokens`` in all; True when the buffers were reallocated (which invalidates a
+        captured graph)."""
+        if self.key is None or n_tokens <= self.capacity:
+            return False
+        capacity = -(-n_tokens // KV_BLOCK) * KV_BLOCK
+        for name in ("key", "value"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], capacity, *old.shape[2:])
+            new[:, : self.seqlen] = old[:, : self.seqlen]
+            setattr(self, name, new)
+        return True
+
+    def append(self, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor]:
+        """Store s new tokens' key/value [b, s, h, d] after the cached ones: (every key, every value)."""
+        end = self.seqlen + key.shape[1]
+        self.reserve(end)
+        self.key[:, self.seqlen : end] = key
+        self.value[:, self.seqlen : end] = value
+        return self.key[:, :end], self.value[:, :end]
+
+    def write_at_position(self, key: Tensor, value: Tensor) -> None:
+        """Store one token's key/value [b, 1, h, d] at ``position`` (no host-side index)."""
+        index = self.position.view(1)
+        self.key.index_copy_(1, index, key)
+        self.value.index_copy_(1, index, value)
+
+    def advance(self, n_tokens: int) -> None:
+        self.seqlen += n_tokens
+        self.position += n_tokens
+
+    def start_documents(self, starting: Tensor) -> None:
+        """The next token of the sequences where ``starting`` [b] bool starts a new document: their
+        conv and recurrent states restart from zero and attention reads from here on. In place, no host
+        sync (a captured decode graph reads the same buffers)."""
+        keep = ~starting
+        for state in self.conv_states.values():
+            state.mul_(keep[:, None, None].to(state.dtype))
+        if self.recurrent_state is not None:
+            self.recurrent_state.mul_(keep[:, None, None, None].to(self.recurrent_state.dtype))
+        self.document_start.copy_(torch.where(starting, self.position, self.document_start))
+
+    def key_document_ids(self, document_ids: Tensor) -> Tensor:
+        """Document ids [b, seqlen + s] of the cached keys and of s new tokens with ``document_ids``
+        [b, s]: a cached key of the current document has the first new token's id, earlier ones -1."""
+        cached = torch.arange(self.seqlen, device=document_ids.device)[None] >= self.document_start[:, None]
+        return torch.cat([torch.where(cached, document_ids[:, :1], -1), document_ids], dim=1)
+
+    def after_documents(self, document_ids: Tensor) -> None:
+        """Move ``document_start`` to the last document start among s new tokens (before ``advance``)."""
+        starts = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0))  # [b, s]
+        index = torch.arange(starts.shape[1], device=starts.device)
+        last = torch.where(starts, index, -1).amax(1)  # [b], -1: no new document
+        self.document_start.copy_(torch.where(last >= 0, self.seqlen + last, self.document_start))
+
+    def snapshot(self) -> MixerSnapshot:
+        """Copies of the states that tokens overwrite (cached keys past ``seqlen`` are ignored later)."""
+        recurrent = None if self.recurrent_state is None else self.recurrent_state.clone()
+        return MixerSnapshot({n: t.clone() for n, t in self.conv_states.items()}, recurrent,
+                             self.document_start.clone(), self.seqlen)
+
+    def restore(self, snapshot: MixerSnapshot) -> None:
+        """Back to the snapshot's position, in place."""
+        for name, state in snapshot.conv_states.items():
+            self.conv_states[name].copy_(state)
+        if snapshot.recurrent_state is not None:
+            self.recurrent_state.copy_(snapshot.recurrent_state)
+        self.document_start.copy_(snapshot.document_start)
+        self.seqlen = snapshot.seqlen
+        self.position.fill_(snapshot.seqlen)
+
+    def nbytes(self) -> Dict[str, int]:
+        """Allocated bytes: kv / recurrent / conv."""
+        kv = 0 if self.key is None else self.key.nbytes + self.value.nbytes
+        rec = self.recurrent_state.nbytes if self.recurrent_state is not None else 0
+        return {"kv": kv, "recurrent": rec, "conv": sum(t.nbytes for t in self.conv_states.values())}
