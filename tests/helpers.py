@@ -6,8 +6,9 @@ import torch
 
 from oryx_megatron.config import ModelArgs
 from oryx_megatron.models.builder import transformer_config
-from oryx_megatron.models.specs import get_oryx_layer_local_spec
 from oryx_megatron.layers.multi_mixer import MultiMixer
+from oryx_megatron.mixer import MixerContext
+from oryx_megatron.models.specs import get_oryx_layer_local_spec
 
 
 def tiny_args(family="oryx_tg", **overrides) -> ModelArgs:
@@ -28,3 +29,12 @@ def build_mixer(family="oryx_tg", seed=0, dtype=torch.float64, parallel=None, mi
     torch.manual_seed(seed)
     spec = get_oryx_layer_local_spec().submodules.mixer
     return MultiMixer(config, spec.submodules).to(dtype)
+
+
+def mix(mixer, x, modes, cache=None, document_ids=None):
+    """The mixer's output [s, b, hidden] for x [s, b, hidden] and modes as the model hands them down (one
+    ``MixerContext``); with ``cache`` a prefill, or a decode step for one token after cached ones."""
+    if torch.is_tensor(modes) and modes.dim() == 1:  # one token per sequence: [b] -> [b, 1]
+        modes = modes[:, None]
+    decode = cache is not None and cache.seqlen > 0 and x.shape[0] == 1
+    return mixer(x, MixerContext.build(mixer.config, modes, document_ids, decode=decode), cache)[0]

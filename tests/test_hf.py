@@ -13,12 +13,12 @@ from oryx_megatron import RECIPES_DIR  # noqa: E402
 from oryx_megatron.config import Mode  # noqa: E402
 from oryx_megatron.data.documents import document_ids  # noqa: E402
 from oryx_megatron.hf.convert import (  # noqa: E402
-    ConversionError, hf_config, hf_model, hf_to_megatron, megatron_to_hf, model_args,
+    hf_config, hf_model, hf_to_megatron, megatron_to_hf, model_args,
 )
-from oryx_megatron.hf.layout import LayoutError, conv_streams, mixer_streams  # noqa: E402
+from oryx_megatron.hf.layout import LayoutError  # noqa: E402
 from oryx_megatron.inference import as_inference_schedule, generate  # noqa: E402
 from oryx_megatron.inference.forward import cached_logits  # noqa: E402
-from oryx_megatron.config import ModelArgs
+from oryx_megatron.config import ModelArgs  # noqa: E402
 from oryx_megatron.models.builder import build_model, transformer_config  # noqa: E402
 
 EOD = 256
@@ -68,9 +68,10 @@ def models(single_process_parallel, one_thread):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stream_layout_is_megatrons(models, family):
-    mixer = models[family][0].decoder.layers[0].mixer
-    config = models[family][1].config
-    assert mixer_streams(config) == mixer.streams and conv_streams(config) == mixer.conv_streams
+    """Both front ends lay the fused projection out from their own config (megatron's OryxConfig, the HF config's
+    mixer fields) into the same streams."""
+    megatron, hf = models[family][0].decoder.layers[0].mixer, models[family][1].model.layers[0].mixer
+    assert megatron.layout == hf.layout and megatron.layout.conv_streams
 
 
 def cached_run(step, ids, modes):
@@ -229,6 +230,8 @@ def test_layout_names_what_it_cannot_place(single_process_parallel):
     del weights["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(LayoutError, match=r"hf parameter 'model.layers.1.mlp.up_proj.weight' is missing"):
         hf_to_megatron(weights, config)
-    config.rope_theta = 500000.0
-    with pytest.raises(ConversionError, match=r"rope_theta=500000.0: a megatron recipe supports only 10000.0"):
-        model_args(config)
+    config.rope_theta = 500000.0  # every mixer field has its place in a recipe (one schema): it comes back
+    assert model_args(config).rotary_base == 500000.0
+    config.mixers = "attention+lstm"
+    with pytest.raises(ValueError, match=r"OryxHFConfig.mixers: mixers='attention\+lstm': unknown mixer 'lstm'"):
+        config._check()

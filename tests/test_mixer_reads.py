@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from oryx_megatron.config import Mode
-from oryx_megatron.layers import multi_mixer
+from oryx_megatron.mixer import MixerContext, context as mixer_context, state as mixer_state
 from oryx_megatron.ops import causal_attention
-from tests.helpers import build_mixer
+from tests.helpers import build_mixer, mix
 from tests.test_multi_mixer import B, HIDDEN, FAMILIES, hidden_states, random_modes, run_decode, run_parallel
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel")
@@ -40,8 +40,8 @@ def dense_attention(mixer, monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("chunk,p_attention", [(16, 0.5), (12, 0.3), (16, 0.0), (16, 1.0)])
 def test_attention_only_where_read_equals_dense_with_gradients(family, chunk, p_attention, monkeypatch):
+    monkeypatch.setattr(mixer_context, "QUERY_BLOCK", QUERY_BLOCK)
     mixer = build_mixer(family)
-    mixer.core_attention.query_block = QUERY_BLOCK
     x, modes = hidden_states(20, s=LONG), long_modes(21, chunk, p_attention)
     sparse = loss_and_grads(mixer, x, modes)
     dense_attention(mixer, monkeypatch)
@@ -78,8 +78,8 @@ def test_decode_with_mode_values_equals_per_token_modes(family):
     modes[:, 17:] = Mode.LINEAR
     want = run_decode(mixer, x, modes, prefill=9)
     cache = mixer.allocate_inference_cache(B, torch.float64)
-    outs = [mixer(x[:9], Mode.ATTENTION, inference_cache=cache)[0]]
-    outs += [mixer.step(x[t : t + 1], Mode(int(modes[0, t])), cache)[0] for t in range(9, x.shape[0])]
+    outs = [mix(mixer, x[:9], Mode.ATTENTION, cache)]
+    outs += [mix(mixer, x[t : t + 1], Mode(int(modes[0, t])), cache) for t in range(9, x.shape[0])]
     assert (torch.cat(outs) - want).abs().max() < 1e-12
 
 
@@ -87,18 +87,18 @@ def test_decode_with_mode_values_equals_per_token_modes(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cache_grows_in_blocks_and_keeps_its_tokens(family, monkeypatch):
-    monkeypatch.setattr(multi_mixer, "KV_BLOCK", 8)
+    monkeypatch.setattr(mixer_state, "KV_BLOCK", 8)
     mixer = build_mixer(family)
     x, modes = hidden_states(24), random_modes(25, chunk=4)
     cache = mixer.allocate_inference_cache(B, torch.float64, capacity=5)
     assert cache.capacity == 8 and cache.nbytes()["kv"] == 2 * B * 8 * mixer.num_heads * mixer.d_k * 8
-    outs = [mixer(x[:11], modes[:, :11], inference_cache=cache)[0]]  # prefill past the capacity
+    outs = [mix(mixer, x[:11], modes[:, :11], cache)]  # prefill past the capacity
     assert cache.capacity == 16 and cache.seqlen == 11 and int(cache.position) == 11
     key = cache.key
-    outs += [mixer.step(x[t : t + 1], modes[:, t], cache)[0] for t in range(11, 16)]
+    outs += [mix(mixer, x[t : t + 1], modes[:, t], cache) for t in range(11, 16)]
     assert cache.key is key  # decode writes in place
     assert cache.reserve(17) and cache.capacity == 24 and not cache.reserve(20)
-    outs += [mixer.step(x[t : t + 1], modes[:, t], cache)[0] for t in range(16, x.shape[0])]
+    outs += [mix(mixer, x[t : t + 1], modes[:, t], cache) for t in range(16, x.shape[0])]
     assert (torch.cat(outs) - run_parallel(mixer, x, modes)).abs().max() < 1e-9
 
 
@@ -107,14 +107,14 @@ def test_snapshot_restore_continues_exactly(family):
     mixer = build_mixer(family)
     x, modes = hidden_states(26), random_modes(27, chunk=4)
     cache = mixer.allocate_inference_cache(B, torch.float64)
-    mixer(x[:10], modes[:, :10], inference_cache=cache)
+    mix(mixer, x[:10], modes[:, :10], cache)
     snap = cache.snapshot()
-    first = [mixer.step(x[t : t + 1], modes[:, t], cache)[0] for t in range(10, 15)]
+    first = [mix(mixer, x[t : t + 1], modes[:, t], cache) for t in range(10, 15)]
     other = hidden_states(28)  # different tokens overwrite every state
-    mixer(other[:4], Mode.LINEAR, inference_cache=cache)
+    mix(mixer, other[:4], Mode.LINEAR, cache)
     cache.restore(snap)
     assert cache.seqlen == 10 and int(cache.position) == 10
-    again = [mixer.step(x[t : t + 1], modes[:, t], cache)[0] for t in range(10, 15)]
+    again = [mix(mixer, x[t : t + 1], modes[:, t], cache) for t in range(10, 15)]
     assert torch.equal(torch.cat(first), torch.cat(again))
 
 
@@ -126,13 +126,13 @@ def test_no_kv_cache_linear_only(family):
     want = run_decode(mixer, x, linear, prefill=7)
     cache = mixer.allocate_inference_cache(B, torch.float64, kv_cache=False)
     assert cache.key is None and cache.nbytes()["kv"] == 0
-    outs = [mixer(x[:7], linear[:, :7], inference_cache=cache)[0]]
-    outs += [mixer.step(x[t : t + 1], Mode.LINEAR, cache)[0] for t in range(7, x.shape[0])]
+    outs = [mix(mixer, x[:7], linear[:, :7], cache)]
+    outs += [mix(mixer, x[t : t + 1], Mode.LINEAR, cache) for t in range(7, x.shape[0])]
     assert (torch.cat(outs) - want).abs().max() < 1e-12
     with pytest.raises(ValueError, match="no KV cache.*linear-only schedule"):
-        mixer.step(x[:1], Mode.ATTENTION, cache)
+        mix(mixer, x[:1], Mode.ATTENTION, cache)
     with pytest.raises(ValueError, match="no KV cache"):
-        mixer(x[:5], random_modes(30)[:, :5].fill_(Mode.ATTENTION), inference_cache=cache)
+        mix(mixer, x[:5], random_modes(30)[:, :5].fill_(Mode.ATTENTION), cache)
 
 
 # ---- K/V gates ----
@@ -147,7 +147,7 @@ def test_kv_gate_parallel_equals_decode(family, kv_gate):
 
 def test_kv_gate_multiplies_keys_and_values_and_is_shared():
     plain, gated = build_mixer("oryx_tg"), build_mixer("oryx_tg", kv_gate="sigmoid")
-    assert set(gated.streams) - set(plain.streams) == {"k_gate", "v_gate"}
+    assert set(gated.layout.streams) - set(plain.layout.streams) == {"k_gate", "v_gate"}
     extra = plain.num_heads * (plain.d_k + plain.d_v) * HIDDEN  # the gates' rows of in_proj
     p, g = plain.parameter_counts(), gated.parameter_counts()
     assert g["shared"] - p["shared"] == extra and g["attention"] == p["attention"] and g["linear"] == p["linear"]
@@ -164,8 +164,7 @@ def test_selective_recompute_same_gradients_less_saved(family):
     x, modes = hidden_states(35, s=64), random_modes(36)[:, :1].expand(B, 64).contiguous()
     results, saved = {}, {}
     for granularity in (None, "selective"):
-        mixer = build_mixer(family)
-        mixer.config.recompute_granularity = granularity
+        mixer = build_mixer(family, parallel=dict(recompute_granularity=granularity))
         sizes = []
 
         def pack(t):
@@ -180,7 +179,7 @@ def test_selective_recompute_same_gradients_less_saved(family):
     for name in base[2]:
         assert torch.equal(base[2][name], recomputed[2][name]), name
     # the checkpointed mixing keeps its input alive outside the hooks: the projected streams
-    kept_streams = x.shape[0] * B * mixer.num_heads * sum(mixer.streams.values()) * x.element_size()
+    kept_streams = x.shape[0] * B * mixer.num_heads * mixer.layout.width * x.element_size()
     assert saved["selective"] + kept_streams < 0.5 * saved[None]
 
 
@@ -207,19 +206,15 @@ def test_attention_inputs_have_a_unit_stride_in_the_head_dim_and_the_activation_
 
 @pytest.mark.parametrize("granularity", [None, "selective"])
 def test_the_layers_of_a_forward_read_their_modes_with_one_host_sync(granularity, monkeypatch):
-    """Which modes are read (torch.unique, then a copy to the host) is derived once per modes tensor,
-    not once per layer, nor again when the backward recomputes a layer."""
-    layers = [build_mixer("oryx_tg", seed=i) for i in range(3)]
-    for layer in layers:
-        layer.config.recompute_granularity = granularity
+    """Which modes are read (torch.unique, then a copy to the host) is derived once per forward, in its
+    MixerContext, not once per layer, nor again when the backward recomputes a layer."""
+    layers = [build_mixer("oryx_tg", seed=i, parallel=dict(recompute_granularity=granularity)) for i in range(3)]
     x, modes = hidden_states(38).requires_grad_(), random_modes(39, chunk=4)
     calls, unique = [], torch.unique
     monkeypatch.setattr(torch, "unique", lambda *a, **k: calls.append(1) or unique(*a, **k))
+    context = MixerContext.build(layers[0].config, modes)
     h = x
     for layer in layers:
-        h = h + run_parallel(layer, h, modes)
+        h = h + layer(h, context)[0]
     h.sum().backward()
     assert len(calls) == 1
-    run_parallel(layers[0], x.detach(), modes.clone())  # another modes tensor: read again
-    assert len(calls) == 2
-

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from oryx_megatron.config import LINEAR_MIXERS, Mode
-from oryx_megatron.layers.linear_mixers import LINEAR_MIXER_CLASSES
-from tests.helpers import build_mixer
+from oryx_megatron.config import Mode
+from tests.helpers import build_mixer, mix
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel")
 
@@ -27,8 +26,7 @@ def hidden_states(seed=0, s=S):
 
 
 def run_parallel(mixer, x, modes):
-    out, _ = mixer(x, modes)
-    return out
+    return mix(mixer, x, modes)
 
 
 def run_decode(mixer, x, modes, prefill=0):
@@ -36,9 +34,9 @@ def run_decode(mixer, x, modes, prefill=0):
     cache = mixer.allocate_inference_cache(B, torch.float64)
     outs = []
     if prefill:
-        outs.append(mixer(x[:prefill], modes[:, :prefill], inference_cache=cache)[0])
+        outs.append(mix(mixer, x[:prefill], modes[:, :prefill], cache))
     for t in range(prefill, x.shape[0]):
-        outs.append(mixer.step(x[t : t + 1], modes[:, t], cache)[0])
+        outs.append(mix(mixer, x[t : t + 1], modes[:, t], cache))
     assert cache.seqlen == x.shape[0]
     return torch.cat(outs, dim=0)
 
@@ -91,13 +89,14 @@ def copy_weights(src, dst, same_as=None):
     every other parameter by name. `same_as` maps a stream of dst to the src stream it copies."""
     same_as = same_as or {}
     h, hidden = src.num_heads, src.config.hidden_size
-    rows = dict(zip(src.streams, src.in_proj.weight.view(h, -1, hidden).split(list(src.streams.values()), 1)))
+    streams = src.layout.streams
+    rows = dict(zip(streams, src.in_proj.weight.view(h, -1, hidden).split(list(streams.values()), 1)))
     params = dict(src.named_parameters())
-    params.update({f"conv_{dst_name}": params[f"conv_{src_name}"] for dst_name, src_name in same_as.items()})
+    params.update({f"conv_{dst_name}.weight": params[f"conv_{src_name}.weight"] for dst_name, src_name in same_as.items()})
     with torch.no_grad():
         for name, param in dst.named_parameters():
             if name == "in_proj.weight":
-                param.copy_(torch.cat([rows[same_as.get(n, n)] for n in dst.streams], dim=1).view(-1, hidden))
+                param.copy_(torch.cat([rows[same_as.get(n, n)] for n in dst.layout.streams], dim=1).view(-1, hidden))
             else:
                 param.copy_(params[name])
 
@@ -119,7 +118,7 @@ def test_single_mode_equals_the_single_mixer_layer(family, single, mode):
 def test_multi_mixer_requires_modes():
     mixer = build_mixer("oryx_tg")
     with pytest.raises(ValueError, match=r"modes \[batch, seq\] is required .*attention\+gdn"):
-        mixer(hidden_states(), None)
+        mix(mixer, hidden_states(), None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -135,7 +134,7 @@ def test_float32_forward_matches_float64(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_shared_query_parallel_forward_equals_decode(family):
     mixer = build_mixer(family, shared_query=True)
-    assert "q_attn" not in mixer.streams and "conv_q_attn" not in mixer.head_params
+    assert "q_attn" not in mixer.layout.streams and not hasattr(mixer, "conv_q_attn")
     x, modes = hidden_states(10), random_modes(11, chunk=4)
     assert (run_decode(mixer, x, modes, prefill=13) - run_parallel(mixer, x, modes)).abs().max() < 1e-9
 
@@ -152,7 +151,3 @@ def test_shared_query_attention_reads_with_the_linear_query():
     # linear-only: the beta and alpha rows of in_proj, A_log and dt_bias; the query is shared now
     assert counts["attention"] == 0 and counts["linear"] == shared.num_heads * (2 * HIDDEN + 2)
 
-
-def test_every_linear_mixer_name_has_its_class():
-    """config.LINEAR_MIXERS (validated by OryxConfig, which cannot import layers) names the registry."""
-    assert tuple(LINEAR_MIXER_CLASSES) == LINEAR_MIXERS

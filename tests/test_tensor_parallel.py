@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
+from oryx_megatron.mixer import MixerContext
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from tests.distributed import run_distributed
@@ -72,7 +73,7 @@ def mixer_step(module, sequence_parallel, document_ids=None):
     if sequence_parallel:
         x, dy = shard_sequence(x), shard_sequence(dy)
     x = x.clone().requires_grad_()
-    out, _ = module(x, modes, document_ids=document_ids)
+    out, _ = module(x, MixerContext.build(module.config, modes, document_ids))
     out.backward(dy)
     return out.detach(), x.grad
 

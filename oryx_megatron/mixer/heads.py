@@ -15,14 +15,18 @@ Init = Callable[[Tuple[int, ...]], Tensor]  # full (TP=1) shape -> a tensor draw
 @dataclasses.dataclass(frozen=True)
 class HeadShard:
     """This rank's share of the heads and how its parameters are made: tensor-parallel size and rank (the
-    Hugging Face model: 1, 0), parameter dtype and device, and whether to draw initial values (False: a
-    front end initialises or loads them)."""
+    Hugging Face model: 1, 0), parameter dtype (None: torch's default dtype) and device, and whether to draw
+    initial values (False: a front end initialises or loads them)."""
 
     tp_size: int = 1
     tp_rank: int = 0
-    dtype: torch.dtype = torch.float32
+    dtype: Optional[torch.dtype] = None
     device: Optional[torch.device] = None
     initialize: bool = True
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.dtype or torch.get_default_dtype()
 
 
 class HeadModule(nn.Module):
@@ -47,7 +51,7 @@ class HeadModule(nn.Module):
         tp = self.shard.tp_size
         for name, (shape, init) in specs.items():
             local = (shape[0] // tp,) + tuple(shape[1:])
-            param = nn.Parameter(torch.empty(local, dtype=dtype or self.shard.dtype, device=self.shard.device))
+            param = nn.Parameter(torch.empty(local, dtype=dtype or self.shard.param_dtype, device=self.shard.device))
             self.register_parameter(name, param)
             self.head_params[name] = (tuple(shape), init)
             if self.shard.initialize:

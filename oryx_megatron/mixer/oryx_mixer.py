@@ -36,7 +36,7 @@ from oryx_megatron.mixer.context import MixerContext
 from oryx_megatron.mixer.heads import GatedRMSNorm, HeadModule, HeadShard, ShortConv
 from oryx_megatron.mixer.layout import MixerLayout
 from oryx_megatron.mixer.linear import linear_mixer_class
-from oryx_megatron.mixer.state import KV_BLOCK, MixerCache
+from oryx_megatron.mixer.state import MixerCache, kv_capacity
 from oryx_megatron.ops import Documents, apply_rotary, attention_at, decode_attention, get_kernels, kv_gate, \
     rotary_table, upcast
 
@@ -169,14 +169,14 @@ class OryxMixer(HeadModule):
 
     def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                                  capacity: Optional[int] = None, kv_cache: bool = True) -> MixerCache:
-        """An empty cache: zero conv and recurrent states, KV buffers of ``capacity`` positions (default
-        KV_BLOCK; grown when exceeded), none at all when ``kv_cache`` is False (linear mode only)."""
+        """An empty cache: zero conv and recurrent states, KV buffers of ``capacity`` positions in whole blocks
+        (``state.kv_capacity``; grown when exceeded), none at all when ``kv_cache`` is False (linear mode only)."""
         h, w = self.num_heads, self.config.mixer_conv_kernel
         conv_states = {name: torch.zeros(batch_size, h * self.layout.streams[name], w - 1, dtype=dtype, device=device)
                        for name in self.layout.conv_streams}
         key = value = None
         if self.layout.attention_query is not None and kv_cache:
-            capacity = -(-(capacity or KV_BLOCK) // KV_BLOCK) * KV_BLOCK
+            capacity = kv_capacity(capacity)
             key = torch.zeros(batch_size, capacity, h, self.d_k, dtype=dtype, device=device)
             value = torch.zeros(batch_size, capacity, h, self.d_v, dtype=dtype, device=device)
         recurrent = None

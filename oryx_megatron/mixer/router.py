@@ -30,9 +30,10 @@ from oryx_megatron.config import MixerConfig
 
 
 class ChunkRouter(nn.Module):
-    """features [b, n, h, 2, d_v] -> logits [b, n] (chunks 0..n-1); ``fc1``: W1 (default a plain nn.Linear)."""
+    """features [b, n, h, 2, d_v] -> logits [b, n] (chunks 0..n-1); ``fc1``: W1 (default a plain nn.Linear);
+    ``dtype``: of the parameters (None: torch's default dtype)."""
 
-    def __init__(self, config: MixerConfig, dtype: torch.dtype = torch.float32, fc1: Optional[nn.Module] = None):
+    def __init__(self, config: MixerConfig, dtype: Optional[torch.dtype] = None, fc1: Optional[nn.Module] = None):
         super().__init__()
         hidden = config.router_hidden
         features = config.num_attention_heads * 2 * config.value_head_dim

@@ -12,6 +12,11 @@ from torch import Tensor
 KV_BLOCK = 256  # KV cache positions allocated at a time
 
 
+def kv_capacity(n_tokens: Optional[int] = None) -> int:
+    """KV cache positions that hold ``n_tokens`` (default one block): whole blocks of KV_BLOCK."""
+    return -(-(n_tokens or KV_BLOCK) // KV_BLOCK) * KV_BLOCK
+
+
 @dataclass
 class MixerSnapshot:
     """What ``MixerCache.restore`` needs to return to an earlier position (speculative decoding)."""
@@ -49,7 +54,7 @@ class MixerCache:
         captured graph)."""
         if self.key is None or n_tokens <= self.capacity:
             return False
-        capacity = -(-n_tokens // KV_BLOCK) * KV_BLOCK
+        capacity = kv_capacity(n_tokens)
         for name in ("key", "value"):
             old = getattr(self, name)
             new = old.new_zeros(old.shape[0], capacity, *old.shape[2:])

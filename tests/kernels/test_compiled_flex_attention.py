@@ -59,8 +59,9 @@ def relative_error(sq, sk, dtype, seed=0, documents=False):
     output everywhere (its non-reading positions too), a skipped one zeros, in both."""
     q, k, v, read = inputs(sq, sk, dtype, seed)
     docs = packed_documents(q.shape[0], sk, seed) if documents else None
-    got = cuda.block_sparse_causal_attention(q, k, v, read, 128, document_ids=docs)
-    want = attention.block_sparse_causal_attention(q.double(), k.double(), v.double(), read, 128, document_ids=docs)
+    got = cuda.block_sparse_causal_attention(q, k, v, attention.BlockReads(read, 128), document_ids=docs)
+    want = attention.block_sparse_causal_attention(q.double(), k.double(), v.double(), attention.BlockReads(read, 128),
+                                                   document_ids=docs)
     assert got.dtype == dtype and got.shape == want.shape
     return float((got.double() - want).abs().max() / want.abs().max())
 
@@ -87,7 +88,7 @@ def test_no_reader_gives_zeros_and_a_skipped_block_is_not_computed(compiled):
     q, k, v, read = inputs(256, 256, torch.float32)
     read[:] = False
     read[1, 130] = True  # one reader in block 1 of sequence 1
-    o = cuda.block_sparse_causal_attention(q, k, v, read, 128)
+    o = cuda.block_sparse_causal_attention(q, k, v, attention.BlockReads(read, 128))
     computed = o.abs().sum(dim=(2, 3)) > 0  # [b, s]
     assert not computed[0].any() and not computed[1, :128].any() and computed[1, 128:].all()
 
@@ -109,4 +110,4 @@ def test_new_lengths_do_not_recompile(compiled):
 def test_cpu_refuses_the_backward(compiled):
     q, k, v, read = inputs(256, 256, torch.float32)
     with pytest.raises(Exception, match="backward on CPU"):
-        cuda.block_sparse_causal_attention(q.requires_grad_(), k, v, read, 128).sum().backward()
+        cuda.block_sparse_causal_attention(q.requires_grad_(), k, v, attention.BlockReads(read, 128)).sum().backward()

@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from oryx_megatron import ops  # noqa: E402
-from oryx_megatron.ops import cuda  # noqa: E402
+from oryx_megatron.ops import Documents, cuda  # noqa: E402
 from tests.kernels import triton_cpu  # noqa: E402
 
 # fla says so when Triton has no GPU driver (the interpreter needs none)
@@ -71,14 +71,14 @@ CASES = [  # (wrapper, activations' dtype, initial state, other arguments)
 # document of one token), sample 1 is one document; fla takes them as cu_seqlens, mamba-ssm as seq_idx
 DOCUMENTS = torch.stack([torch.repeat_interleave(torch.arange(4), torch.tensor([30, 34, 1, 35])),
                          torch.zeros(SEQ, dtype=torch.long)])
-CASES += [(op, dtype, with_state, {"document_ids": DOCUMENTS})
+CASES += [(op, dtype, with_state, {"documents": Documents(DOCUMENTS)})
           for op in ("chunk_gated_delta_rule", "ssd_chunk_scan") for dtype in (FP32, BF16) for with_state in (False, True)]
 
 
 def case_id(case) -> str:
     op, dtype, with_state, kwargs = case
     return "-".join([op, str(dtype).split(".")[-1], "state" if with_state else "no_state",
-                     *(k if torch.is_tensor(v) else f"{k}={v}" for k, v in kwargs.items())])
+                     *(k if isinstance(v, Documents) else f"{k}={v}" for k, v in kwargs.items())])
 
 
 def kernel_inputs(op: str, dtype: torch.dtype, with_state: bool, d_k: int, d_v: int) -> Dict[str, torch.Tensor]:
@@ -189,8 +189,8 @@ MUTANTS = [  # (wrapper, its source, the bug, the outputs the bug must spoil)
 
 MUTANTS += [  # packed documents: each sample's last document's state; the resets themselves
     ("chunk_gated_delta_rule", "final_state[docs.last]", "final_state[docs.first]", {"final_state"},
-     {"document_ids": DOCUMENTS}),
-    ("ssd_chunk_scan", "seq_idx=seq_idx,", "seq_idx=None,", {"y", "final_state"}, {"document_ids": DOCUMENTS}),
+     {"documents": Documents(DOCUMENTS)}),
+    ("ssd_chunk_scan", "seq_idx=seq_idx,", "seq_idx=None,", {"y", "final_state"}, {"documents": Documents(DOCUMENTS)}),
 ]
 
 

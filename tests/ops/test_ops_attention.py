@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from oryx_megatron.ops import block_sparse_causal_attention, causal_attention, cuda
+from oryx_megatron.ops import BlockReads, block_sparse_causal_attention, causal_attention, cuda
 
 B, H, DK, DV = 2, 3, 4, 5
 
@@ -52,7 +52,8 @@ def chunk_reads(sq, chunk, p, seed):
 def sparse_vs_dense(sq, sk, read, block_size):
     """Outputs and input gradients of a loss over the reading positions, sparse and dense."""
     results = []
-    for attend in (lambda q, k, v: block_sparse_causal_attention(q, k, v, read, block_size), causal_attention):
+    for attend in (lambda q, k, v: block_sparse_causal_attention(q, k, v, BlockReads(read, block_size)),
+                   causal_attention):
         q, k, v = (t.requires_grad_() for t in make_qkv(sq, sk, seed=3))
         o = attend(q, k, v)
         w = torch.randn(o.shape, generator=torch.Generator().manual_seed(4), dtype=o.dtype)
@@ -84,7 +85,7 @@ def test_block_sparse_skips_blocks_without_readers():
     q, k, v = make_qkv(32, 32)
     read = torch.zeros(B, 32, dtype=torch.bool)
     read[0, 9] = True  # one reader in block 1 of sequence 0
-    o = block_sparse_causal_attention(q, k, v, read, block_size=8)
+    o = block_sparse_causal_attention(q, k, v, BlockReads(read, block_size=8))
     computed = o.abs().sum(dim=(2, 3)) > 0  # [B, sq]
     assert computed[0, 8:16].all() and not computed[0, :8].any() and not computed[0, 16:].any()
     assert not computed[1].any()
@@ -103,18 +104,24 @@ def test_flex_block_mask_of_the_cuda_kernel_fp64(sq, sk):
         warnings.simplefilter("ignore")  # eager flex warns that it is meant to be compiled
         o = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)),
                            block_mask=cuda.read_block_mask(read, sk, 16)).transpose(1, 2)
-    want = block_sparse_causal_attention(q, k, v, read, 16)
+    want = block_sparse_causal_attention(q, k, v, BlockReads(read, 16))
     assert ((o - want) * read[:, :, None, None]).abs().max() < 1e-12
 
 
-def test_the_block_mask_is_built_once_per_read_tensor():
-    """Every layer of a forward passes the same ``read``: one BlockMask serves them all."""
-    read = chunk_reads(48, 16, 0.5, seed=7)
-    mask = cuda.read_block_mask(read, 48, 16)
-    assert cuda.read_block_mask(read, 48, 16) is mask
-    assert cuda.read_block_mask(read, 64, 16) is not mask  # another key length
-    read[0] = ~read[0]
-    assert not torch.equal(cuda.read_block_mask(read, 48, 16).to_dense(), mask.to_dense())
+def test_what_a_kernel_derives_from_the_reads_is_built_once_per_key_length():
+    """Every layer of a forward shares one BlockReads: one block mask per key length serves them all."""
+    reads, built = BlockReads(chunk_reads(48, 16, 0.5, seed=7), 16), []
+
+    def build(kv_len):
+        return lambda: built.append(kv_len) or cuda.read_block_mask(reads.read, kv_len, 16)
+
+    mask = reads.derived(("flex", 48), build(48))
+    assert reads.derived(("flex", 48), build(48)) is mask and built == [48]
+    assert reads.derived(("flex", 64), build(64)) is not mask and built == [48, 64]  # another key length
+    flipped = reads.read.clone()
+    flipped[0] = ~flipped[0]
+    assert not torch.equal(cuda.read_block_mask(flipped, 48, 16).to_dense(), mask.to_dense())
+    assert reads.block_lists() is reads.block_lists()
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])

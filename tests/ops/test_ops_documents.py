@@ -1,4 +1,4 @@
-"""Packed documents (``document_ids``): every op on a packed sample equals the op run on each document
+"""Packed documents (``ops.Documents``, ``document_ids``): every op on a packed sample equals the op run on each document
 alone, outputs, final states and gradients (fp64): documents shorter than a chunk, boundaries inside
 a chunk and on a chunk edge, a document of one token, a first document continuing an initial state."""
 
@@ -29,11 +29,13 @@ def rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def compare(op, per_token, shared, kwargs, first_state=None, states=True):
+def compare(op, per_token, shared, kwargs, first_state=None, states=True, attention=False):
     """op(*per_token [b, s, ...] sliced, *shared, **kwargs) per document vs packed: outputs and final
     states equal to 1e-10, gradients of a random projection of outputs (+ states) likewise.
-    ``first_state``: (name, [b, ...]) passed to each sample's first document only."""
+    ``first_state``: (name, [b, ...]) passed to each sample's first document only. The scans and the conv
+    take the packed documents as ``documents`` (``ops.Documents``), ``attention`` as the keys' ``document_ids``."""
     docs = document_ids()
+    packed = {"document_ids": docs} if attention else {"documents": ops.Documents(docs)}
 
     def leaves():
         return [t.detach().clone().requires_grad_() for t in per_token + shared]
@@ -46,7 +48,7 @@ def compare(op, per_token, shared, kwargs, first_state=None, states=True):
 
     packed_in = leaves()
     extra = {first_state[0]: first_state[1]} if first_state else {}
-    out = op(*packed_in, **kwargs, **extra, document_ids=docs)
+    out = op(*packed_in, **kwargs, **extra, **packed)
     packed_out, packed_final = (out if isinstance(out, tuple) else (out, None))
     alone_in = leaves()
     outs, finals = torch.zeros_like(packed_out), []
@@ -114,14 +116,14 @@ def test_ssd_chunk_scan(initial):
 
 def test_causal_attention():
     q, k, v = rand(3, S, H, DK, seed=1), rand(3, S, H, DK, seed=2), rand(3, S, H, DV, seed=3)
-    compare(ops.causal_attention, [q, k, v], [], {}, states=False)
+    compare(ops.causal_attention, [q, k, v], [], {}, states=False, attention=True)
 
 
 def test_block_sparse_attention_at_the_reading_positions():
     q, k, v = rand(3, S, H, DK, seed=1), rand(3, S, H, DK, seed=2), rand(3, S, H, DV, seed=3)
     read = torch.rand(3, S // 4, generator=torch.Generator().manual_seed(4)).lt(0.5).repeat_interleave(4, 1)
     docs = document_ids()
-    got = ops.block_sparse_causal_attention(q, k, v, read, 8, document_ids=docs)
+    got = ops.block_sparse_causal_attention(q, k, v, ops.BlockReads(read, 8), document_ids=docs)
     want = ops.causal_attention(q, k, v, document_ids=docs)
     assert ((got - want) * read[..., None, None]).abs().max() < 1e-12
 
@@ -154,7 +156,7 @@ def test_flex_block_mask_with_documents_equals_the_torch_op(sq):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex warns that it is meant to be compiled
         got = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=mask).transpose(1, 2)
-    want = ops.block_sparse_causal_attention(q, k, v, read, 8, document_ids=docs)
+    want = ops.block_sparse_causal_attention(q, k, v, ops.BlockReads(read, 8), document_ids=docs)
     assert ((got - want) * read[..., None, None]).abs().max() < 1e-12
     kv_blocks = mask.kv_num_blocks + mask.full_kv_num_blocks  # [b, 1, n_q]: sample 2 is one document
     assert (kv_blocks[0] < kv_blocks[2]).any()  # earlier documents' kv blocks are skipped

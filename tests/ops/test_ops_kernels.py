@@ -72,7 +72,7 @@ def test_cuda_wrappers_fall_back_to_torch_on_cpu_tensors():
         "causal_conv1d": (x, weight, bias, conv_state),
         "causal_conv1d_step": (x[:, 0], conv_state, weight, bias),
         "causal_attention": (q, k, v),
-        "block_sparse_causal_attention": (q, k, v, rand(b, s) > 0, 4),
+        "block_sparse_causal_attention": (q, k, v, ops.BlockReads(rand(b, s) > 0, 4)),
     }
     for op, args in calls.items():
         got, want = getattr(cuda, op)(*args), getattr(ops, op)(*args)

@@ -62,7 +62,7 @@ class LinearMixer(HeadModule, ABC):
         """Per-head scalars of the recurrence (A_log, dt_bias, D) as ``add_head_params`` makes them, but
         kept in fp32 (or wider) under any parameter dtype: in bf16 they would lose all but 8 bits of
         the decay rates (mamba-ssm and megatron's Mamba mixer keep them in fp32; mamba issues 6, 352)."""
-        self.add_head_params(specs, dtype=torch.promote_types(self.shard.dtype, torch.float32))
+        self.add_head_params(specs, dtype=torch.promote_types(self.shard.param_dtype, torch.float32))
 
     def add_decay_params(self) -> None:
         """A_log and dt_bias, one per head (Mamba-2's initialisation)."""
