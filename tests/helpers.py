@@ -22,8 +22,9 @@ def tiny_args(family="oryx_tg", **overrides) -> ModelArgs:
 
 
 def build_mixer(family="oryx_tg", seed=0, dtype=torch.float64, parallel=None, mixers=None, **overrides) -> MultiMixer:
-    """A MultiMixer of a tiny recipe; `mixers` overrides the family's mixer list."""
-    config = transformer_config(tiny_args(family, **overrides), params_dtype=dtype, **(parallel or {}))
+    """A MultiMixer of a tiny recipe; `mixers` overrides the family's mixer list (family "oryx": gives it)."""
+    recipe = tiny_args(family, **overrides, **({"mixers": mixers} if family == "oryx" else {}))
+    config = transformer_config(recipe, params_dtype=dtype, **(parallel or {}))
     if mixers is not None:
         config = dataclasses.replace(config, mixers=mixers)
     torch.manual_seed(seed)

@@ -90,26 +90,27 @@ def model_step(module, sequence_parallel, document_ids=None):
     return loss.detach(), None
 
 
-def build(level, family, seed, **parallel):
+def build(level, family, seed, recipe, **parallel):
     if level == "mixer":
-        return build_mixer(family, seed=seed, parallel=parallel)
-    args = tiny_args(family)
+        return build_mixer(family, seed=seed, parallel=parallel, **recipe)
+    args = tiny_args(family, **recipe)
     torch.manual_seed(seed)
     return build_model(args, transformer_config(args, params_dtype=torch.float64, **parallel))
 
 
-def _tp_equals_tp1(tmp: str, level: str):
+def tp_equals_tp1(tmp: str, level: str, cases=CASES, **recipe):
+    """Each (family, sequence_parallel) of ``cases`` (recipe fields ``recipe``): TP=2 equals TP=1 (2 processes)."""
     step = mixer_step if level == "mixer" else model_step
-    for family, sp in CASES:
+    for family, sp in cases:
         case = Path(tmp) / f"{family}-sp{int(sp)}"
         initialize_parallel(tensor_model_parallel_size=1)
-        ref = build(level, family, seed=0)
+        ref = build(level, family, 0, recipe)
         out_ref, dx_ref = step(ref, sequence_parallel=False, document_ids=documents(sp))
         grads_ref = {n: p.grad.clone() for n, p in ref.named_parameters()}
         save(ref, case / "weights")
 
         initialize_parallel(tensor_model_parallel_size=2)
-        tp2 = build(level, family, seed=1, tensor_model_parallel_size=2, sequence_parallel=sp)
+        tp2 = build(level, family, 1, recipe, tensor_model_parallel_size=2, sequence_parallel=sp)
         load(tp2, case / "weights")
         out, dx = step(tp2, sequence_parallel=sp, document_ids=documents(sp))
         shard = shard_sequence if (sp and level == "mixer") else (lambda t: t)
@@ -122,7 +123,7 @@ def _tp_equals_tp1(tmp: str, level: str):
         save(tp2, case / "grads")
 
         initialize_parallel(tensor_model_parallel_size=1)
-        back = build(level, family, seed=2)
+        back = build(level, family, 2, recipe)
         load(back, case / "grads")
         for name, p in back.named_parameters():
             assert_close(p, grads_ref[name], f"{level} {family} sp={sp}: grad of {name}", TOLERANCE[level])
@@ -130,4 +131,4 @@ def _tp_equals_tp1(tmp: str, level: str):
 
 @pytest.mark.parametrize("level", ["mixer", "model"])
 def test_tensor_parallel_equals_single_rank(tmp_path, level):
-    run_distributed(_tp_equals_tp1, str(tmp_path), level)
+    run_distributed(tp_equals_tp1, str(tmp_path), level)

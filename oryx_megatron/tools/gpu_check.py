@@ -386,7 +386,7 @@ def kernel_inputs(op: str, shape: Tuple[int, int, int, int], with_state: bool,
         args = {name: (rand(b, s, h, d), ACT) for name in ("q", "k", "v")}  # [b, s, h, d]
         if op == "block_sparse_causal_attention":
             read = (torch.arange(s) // SPARSE_BLOCK % 2 == 0).expand(b, s).clone()  # [b, s]
-            args.update(read=(read, torch.bool), block_size=SPARSE_BLOCK)
+            args.update(reads=ops.BlockReads(read, SPARSE_BLOCK))
         return args
     if with_state or step:
         args[state_name] = state
@@ -433,9 +433,9 @@ def _differentiable(x) -> bool:
 
 def _on(value, device, grad: bool):
     """A kernel argument: (fp64 values, dtype) -> a tensor on ``device`` (a leaf requiring grad when
-    ``grad`` and floating); other arguments (block sizes) as they are."""
-    if not isinstance(value, tuple):
-        return value
+    ``grad`` and floating); the block-sparse read pattern on ``device``."""
+    if isinstance(value, ops.BlockReads):
+        return ops.BlockReads(value.read.to(device), value.block_size)
     tensor, dtype = value
     tensor = tensor.detach().to(device, dtype)
     return tensor.requires_grad_(grad) if tensor.is_floating_point() else tensor
