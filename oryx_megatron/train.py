@@ -37,6 +37,7 @@ from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import build_mode_schedule
 from oryx_megatron.launch import REQUEUE_EXIT_CODE, exit_for_requeue
 from oryx_megatron.parallel import current_device, initialize_parallel
+from oryx_megatron import checkpoint
 from oryx_megatron.training import checkpointing
 from oryx_megatron.training.builders import (
     build_loader,
@@ -174,11 +175,11 @@ class Trainer:
         verifies (rank 0 chooses, logging what it skipped and why). Then the metrics continue at
         that iteration (later rows dropped) in the same W&B run (its id is in the checkpoint)."""
         ckpt = self.run.checkpoint
-        checkpointing.check_retention(ckpt.keep_last, ckpt.keep_every)
+        checkpoint.check_retention(ckpt.keep_last, ckpt.keep_every)
         choice = [None, None]  # [checkpoint, W&B run id]
         if dist.get_rank() == 0:
-            latest = checkpointing.latest_checkpoint(self.ckpt_dir) if ckpt.load else None
-            saved_id = checkpointing.load_common(latest).get("run_id") if latest is not None else None
+            latest = checkpoint.latest_checkpoint(self.ckpt_dir) if ckpt.load else None
+            saved_id = checkpoint.load_common(latest).get("run_id") if latest is not None else None
             choice = [latest and str(latest), saved_id or secrets.token_hex(4)]
         dist.broadcast_object_list(choice, src=0)
         latest, self.run_id = choice
@@ -212,7 +213,7 @@ class Trainer:
                         f"{skips_in_a_row} optimizer steps in a row skipped (non-finite loss or gradient, "
                         f"train.max_skipped_steps={run.train.max_skipped_steps}) at iteration {self.iteration}; "
                         f"stopping without saving: the last good checkpoint is "
-                        f"{checkpointing.latest_checkpoint(self.ckpt_dir) if self.ckpt_dir else None}")
+                        f"{checkpoint.latest_checkpoint(self.ckpt_dir) if self.ckpt_dir else None}")
             elif loss_sums[1] > 0 and spikes.add(self.iteration, float(loss_sums[0] / loss_sums[1])):
                 interval.spikes += 1
             if self.iteration % run.train.log_interval == 0 or self.iteration == stop_at:

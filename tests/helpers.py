@@ -5,9 +5,9 @@ import dataclasses
 import torch
 
 from oryx_megatron.config import ModelArgs
-from oryx_megatron.models.builder import transformer_config
 from oryx_megatron.layers.multi_mixer import MultiMixer
 from oryx_megatron.mixer import MixerContext
+from oryx_megatron.models.builder import transformer_config
 from oryx_megatron.models.specs import get_oryx_layer_local_spec
 
 

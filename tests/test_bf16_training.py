@@ -6,10 +6,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from oryx_megatron import RECIPES_DIR
-from oryx_megatron.train import pretrain
-from oryx_megatron.training import checkpointing
+from oryx_megatron import RECIPES_DIR, checkpoint
 from oryx_megatron.run_config import load_train_config
+from oryx_megatron.train import pretrain
 from tests.test_train import losses
 
 RUN = ["model=tiny_oryx_tm", "model.num_layers=2", "data=mqar", "data.seq_length=32", "data.mqar_vocab_size=64",
@@ -40,7 +39,7 @@ def test_bf16_resume_is_exact_with_fp32_ssm_scalars(tmp_path, distributed):
     first = train(tmp_path, "first", *split, "train.exit_interval=2")
     second = train(tmp_path, "second", *split)
     assert first + second == straight  # bit-identical: every state went back to its own parameter
-    a, b = (saved_weights(checkpointing.latest_checkpoint(str(tmp_path / d))) for d in ("a", "b"))
+    a, b = (saved_weights(checkpoint.latest_checkpoint(str(tmp_path / d))) for d in ("a", "b"))
     scalars = [n for n in a if n.rsplit(".", 1)[-1] in ("A_log", "dt_bias", "D")]
     assert len(scalars) == 2 * 3 and all(a[n].dtype == torch.float32 for n in scalars)
     assert all(torch.equal(a[n], b[n]) for n in a)

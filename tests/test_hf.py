@@ -10,15 +10,21 @@ from omegaconf import OmegaConf
 pytest.importorskip("transformers")
 
 from oryx_megatron import RECIPES_DIR  # noqa: E402
-from oryx_megatron.config import Mode  # noqa: E402
+from oryx_megatron.config import (
+    Mode,  # noqa: E402
+    ModelArgs,  # noqa: E402
+)
 from oryx_megatron.data.documents import document_ids  # noqa: E402
 from oryx_megatron.hf.convert import (  # noqa: E402
-    hf_config, hf_model, hf_to_megatron, megatron_to_hf, model_args,
+    hf_config,
+    hf_model,
+    hf_to_megatron,
+    megatron_to_hf,
+    model_args,
 )
 from oryx_megatron.hf.layout import LayoutError  # noqa: E402
 from oryx_megatron.inference import as_inference_schedule, generate  # noqa: E402
 from oryx_megatron.inference.forward import cached_logits  # noqa: E402
-from oryx_megatron.config import ModelArgs  # noqa: E402
 from oryx_megatron.models.builder import build_model, transformer_config  # noqa: E402
 
 EOD = 256

@@ -19,10 +19,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from data_prep.tokenizer import ByteTokenizer  # noqa: E402
+from oryx_megatron.checkpoint import load_common  # noqa: E402
 from oryx_megatron.hf.export import heldout_losses  # noqa: E402
 from oryx_megatron.inference import generate  # noqa: E402
 from oryx_megatron.inference.checkpoint import load_model  # noqa: E402
-from oryx_megatron.training.checkpointing import load_common  # noqa: E402
 from oryx_megatron.tools import evaluate, export_hf, import_hf  # noqa: E402
 from tests.test_train import losses, run_config  # noqa: E402
 

@@ -5,10 +5,20 @@ import pytest
 import torch
 
 from oryx_megatron.config import Mode
-from oryx_megatron.mixer import MixerContext, context as mixer_context, state as mixer_state
+from oryx_megatron.mixer import MixerContext
+from oryx_megatron.mixer import context as mixer_context
+from oryx_megatron.mixer import state as mixer_state
 from oryx_megatron.ops import causal_attention
 from tests.helpers import build_mixer, mix
-from tests.test_multi_mixer import B, HIDDEN, FAMILIES, hidden_states, random_modes, run_decode, run_parallel
+from tests.test_multi_mixer import (
+    FAMILIES,
+    HIDDEN,
+    B,
+    hidden_states,
+    random_modes,
+    run_decode,
+    run_parallel,
+)
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel")
 

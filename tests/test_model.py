@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from oryx_megatron.layers.config import OryxConfig
-from oryx_megatron.models.builder import build_model, padded_vocab_size, transformer_config
+from oryx_megatron.models.builder import (
+    build_model,
+    padded_vocab_size,
+    transformer_config,
+)
 from tests.helpers import tiny_args
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel")

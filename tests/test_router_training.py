@@ -12,8 +12,8 @@ import torch
 
 from oryx_megatron.config import Mode
 from oryx_megatron.inference.checkpoint import load_model
-from oryx_megatron.train import pretrain
 from oryx_megatron.run_config import RouterConfig
+from oryx_megatron.train import pretrain
 from oryx_megatron.training.router import chunk_means, router_loss, router_targets
 from tests.test_train import run_config
 

@@ -16,7 +16,11 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from oryx_megatron import launch
-from oryx_megatron.launch import REQUEUE_EXIT_CODE, distributed_env_from_slurm, first_host
+from oryx_megatron.launch import (
+    REQUEUE_EXIT_CODE,
+    distributed_env_from_slurm,
+    first_host,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "slurm"

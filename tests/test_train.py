@@ -15,10 +15,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from oryx_megatron.launch import REQUEUE_EXIT_CODE
 from oryx_megatron import RECIPES_DIR
-from oryx_megatron.train import pretrain
+from oryx_megatron.launch import REQUEUE_EXIT_CODE
 from oryx_megatron.run_config import ConfigError, load_train_config
+from oryx_megatron.train import pretrain
 from tests.distributed import run_distributed
 
 TINY_MODEL = [

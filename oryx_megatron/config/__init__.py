@@ -2,7 +2,14 @@
 hyperparameters (``mixer``), the model recipe (``model``). The run config of ``oryx-train`` is
 ``oryx_megatron.run_config``."""
 
-from oryx_megatron.config.mixer import ATTENTION, KV_GATES, MIXER_FIELDS, MixerConfig, MixerConfigError, Mode
+from oryx_megatron.config.mixer import (
+           ATTENTION,
+           KV_GATES,
+           MIXER_FIELDS,
+           MixerConfig,
+           MixerConfigError,
+           Mode,
+)
 from oryx_megatron.config.model import FAMILY_MIXERS, ModelArgs
 
 __all__ = ["ATTENTION", "FAMILY_MIXERS", "KV_GATES", "MIXER_FIELDS", "MixerConfig", "MixerConfigError", "Mode",

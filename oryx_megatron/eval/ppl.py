@@ -13,16 +13,21 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from oryx_megatron.data.loader import parse_blend
 from oryx_megatron.config import Mode
+from oryx_megatron.data.loader import parse_blend
 from oryx_megatron.data.modes import (
-    ModeSchedule, RandomChunks, all_attention, all_linear, build_mode_schedule, linear_then_attention,
+    ModeSchedule,
+    RandomChunks,
+    all_attention,
+    all_linear,
+    build_mode_schedule,
+    linear_then_attention,
 )
 from oryx_megatron.data.shards import Manifest
 from oryx_megatron.inference.routing import route_modes
 from oryx_megatron.inference.schedules import RouterSchedule
-from oryx_megatron.training.builders import build_loader
 from oryx_megatron.run_config import TrainConfig
+from oryx_megatron.training.builders import build_loader
 
 
 def dataset_vocab(run: TrainConfig) -> Tuple[int, Optional[int]]:

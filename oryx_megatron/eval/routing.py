@@ -20,7 +20,13 @@ import numpy as np
 import torch
 
 from oryx_megatron.config import Mode
-from oryx_megatron.data.modes import Explicit, ModeSchedule, RandomChunks, all_attention, all_linear
+from oryx_megatron.data.modes import (
+    Explicit,
+    ModeSchedule,
+    RandomChunks,
+    all_attention,
+    all_linear,
+)
 from oryx_megatron.eval.ppl import dataset_vocab, schedule_batches, token_losses
 from oryx_megatron.eval.retrieval import answer_accuracy, build_task
 from oryx_megatron.inference.schedules import RouterSchedule

@@ -23,17 +23,22 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
+from oryx_megatron.checkpoint import LATEST, load_sharded
 from oryx_megatron.compat.cpu import cuda_to_cpu
+from oryx_megatron.config import ModelArgs
 from oryx_megatron.hf.configuration import MODEL_TYPE, OryxHFConfig
 from oryx_megatron.hf.convert import LLAMA, ConversionError, hf_to_megatron, model_args
-from oryx_megatron.config import ModelArgs
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import current_device, destroy_parallel, initialize_parallel
-from oryx_megatron.training.builders import (
-    build_loader, build_model_chunks, build_optimizer, build_scheduler, model_config,
-)
-from oryx_megatron.training.checkpointing import LATEST, load_sharded, save_checkpoint
 from oryx_megatron.run_config import TrainConfig, load_train_config
+from oryx_megatron.training.builders import (
+    build_loader,
+    build_model_chunks,
+    build_optimizer,
+    build_scheduler,
+    model_config,
+)
+from oryx_megatron.training.checkpointing import save_checkpoint
 from oryx_megatron.training.validation import validate_run
 
 CONFIG_FILE = "config.json"

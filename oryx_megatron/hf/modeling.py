@@ -27,7 +27,13 @@ from oryx_megatron.data.modes import parse_mode
 from oryx_megatron.hf.cache import OryxCache
 from oryx_megatron.hf.configuration import OryxHFConfig
 from oryx_megatron.inference.schedules import as_inference_schedule
-from oryx_megatron.mixer import ChunkRouter, HeadModule, HeadShard, MixerContext, OryxMixer
+from oryx_megatron.mixer import (
+    ChunkRouter,
+    HeadModule,
+    HeadShard,
+    MixerContext,
+    OryxMixer,
+)
 
 ModesArg = Union[None, str, int, Mode, Tensor, np.ndarray]
 

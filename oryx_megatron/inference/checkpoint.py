@@ -6,10 +6,7 @@ from typing import Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from oryx_megatron.config import ModelArgs
-from oryx_megatron.models.builder import build_model, transformer_config
-from oryx_megatron.parallel import initialize_parallel
-from oryx_megatron.training.checkpointing import (
+from oryx_megatron.checkpoint import (
     CONFIG,
     LATEST,
     RUN_CONFIG,
@@ -17,6 +14,9 @@ from oryx_megatron.training.checkpointing import (
     load_sharded,
     verify_checkpoint,
 )
+from oryx_megatron.config import ModelArgs
+from oryx_megatron.models.builder import build_model, transformer_config
+from oryx_megatron.parallel import initialize_parallel
 from oryx_megatron.run_config import TrainConfig
 
 

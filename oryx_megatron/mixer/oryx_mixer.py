@@ -37,8 +37,16 @@ from oryx_megatron.mixer.heads import GatedRMSNorm, HeadModule, HeadShard, Short
 from oryx_megatron.mixer.layout import MixerLayout
 from oryx_megatron.mixer.linear import linear_mixer_class
 from oryx_megatron.mixer.state import MixerCache, kv_capacity
-from oryx_megatron.ops import Documents, apply_rotary, attention_at, decode_attention, get_kernels, kv_gate, \
-    rotary_table, upcast
+from oryx_megatron.ops import (
+    Documents,
+    apply_rotary,
+    attention_at,
+    decode_attention,
+    get_kernels,
+    kv_gate,
+    rotary_table,
+    upcast,
+)
 
 READ_LINEAR = MixerContext(Mode.LINEAR, frozenset((Mode.LINEAR,)))
 

@@ -14,10 +14,17 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from oryx_megatron.config import ModelArgs
-from oryx_megatron.layers.config import OryxConfig, cpu_friendly_defaults, swiglu_defaults
+from oryx_megatron.layers.config import (
+    OryxConfig,
+    cpu_friendly_defaults,
+    swiglu_defaults,
+)
 from oryx_megatron.layers.gpt_attention import CausalSDPAttention
 from oryx_megatron.layers.norms import RMSNorm
 from oryx_megatron.models.oryx_model import OryxModel

@@ -20,7 +20,13 @@ from typing import Callable, Dict, Optional
 import torch
 
 from . import cuda, selection
-from .attention import BlockReads, attention_at, block_sparse_causal_attention, causal_attention, decode_attention
+from .attention import (
+    BlockReads,
+    attention_at,
+    block_sparse_causal_attention,
+    causal_attention,
+    decode_attention,
+)
 from .conv import causal_conv1d, causal_conv1d_step
 from .documents import Documents
 from .gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step

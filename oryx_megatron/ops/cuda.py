@@ -71,7 +71,9 @@ def chunk_gated_delta_rule(
         return gated_delta_rule.chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, documents
         )
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import (
+        chunk_gated_delta_rule as fla_chunk_gated_delta_rule,
+    )
 
     b, s = q.shape[:2]
     varlen = {}

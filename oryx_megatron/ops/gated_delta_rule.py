@@ -12,7 +12,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from .chunking import compute_dtype, from_chunks, reset_at_document_starts, segsum, to_chunks
+from .chunking import (
+    compute_dtype,
+    from_chunks,
+    reset_at_document_starts,
+    segsum,
+    to_chunks,
+)
 from .documents import Documents
 
 

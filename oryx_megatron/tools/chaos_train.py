@@ -370,7 +370,7 @@ def _max_diff(a, b) -> float:
 def compare_checkpoints(ref: Path, got: Path) -> dict:
     import torch
 
-    from oryx_megatron.training.checkpointing import load_common
+    from oryx_megatron.checkpoint import load_common
 
     a, b = checkpoint_tensors(ref), checkpoint_tensors(got)
     tensors = [k for k in a if isinstance(a[k], torch.Tensor)]

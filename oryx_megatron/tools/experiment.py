@@ -46,7 +46,7 @@ from oryx_megatron.eval.retrieval import evaluate_retrieval
 from oryx_megatron.eval.routing import evaluate_routing
 from oryx_megatron.eval.validation import validation_loss
 from oryx_megatron.inference.checkpoint import load_model
-from oryx_megatron.training.checkpointing import latest_checkpoint
+from oryx_megatron.checkpoint import latest_checkpoint
 from oryx_megatron.run_config import TrainConfig, load_train_config, train_iters
 from oryx_megatron.tools.match_width import matched_ffn
 

@@ -16,7 +16,7 @@ from data_prep import PrepError
 from data_prep.tokenizer import ByteTokenizer
 from oryx_megatron.inference.checkpoint import resolve_checkpoint
 from oryx_megatron.tools.loading import DTYPES, HF_NEEDS, dataset_tokenizer, hf_format_parser, load_checkpoint
-from oryx_megatron.training.checkpointing import load_common
+from oryx_megatron.checkpoint import load_common
 
 
 def build_parser() -> argparse.ArgumentParser:

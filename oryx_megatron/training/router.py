@@ -37,12 +37,12 @@ from megatron.core import dist_checkpointing
 from omegaconf import OmegaConf
 from torch import Tensor
 
+from oryx_megatron import checkpoint
 from oryx_megatron.config import Mode
 from oryx_megatron.models.builder import build_model
 from oryx_megatron.parallel import current_device
-from oryx_megatron.training import checkpointing
-from oryx_megatron.training.builders import build_loader, model_config
 from oryx_megatron.run_config import TrainConfig, train_iters
+from oryx_megatron.training.builders import build_loader, model_config
 from oryx_megatron.training.metrics import MetricsLogger
 
 logger = logging.getLogger("oryx_megatron.train")
@@ -186,14 +186,14 @@ def load_frozen_weights(model, init_from: str) -> Path:
     """The trained model's weights (all but the router's, which it does not have) from ``init_from``:
     a checkpoint, or a run's checkpoint.dir (its `latest`). Returns the checkpoint read."""
     path = Path(init_from)
-    if not (path / checkpointing.RUN_CONFIG).exists():
-        path = checkpointing.latest_checkpoint(init_from, fallback=False)
+    if not (path / checkpoint.RUN_CONFIG).exists():
+        path = checkpoint.latest_checkpoint(init_from, fallback=False)
         if path is None:
             raise FileNotFoundError(f"router.init_from={init_from}: neither a checkpoint nor a checkpoint dir "
                                     "with `latest`")
-    checkpointing.verify_checkpoint(path)
+    checkpoint.verify_checkpoint(path)
     sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.startswith("router.")}
-    state = checkpointing.load_sharded({"model": sharded}, path)["model"]
+    state = checkpoint.load_sharded({"model": sharded}, path)["model"]
     missing, unexpected = model.load_state_dict(state, strict=False)
     router_only = all(k.startswith("router.") for k in missing) and not unexpected
     if not router_only:
@@ -205,10 +205,10 @@ def load_frozen_weights(model, init_from: str) -> Path:
 def save_model(run: TrainConfig, model, iteration: int) -> Path:
     """The model (router included) as a checkpoint of checkpoint.dir that oryx-generate and
     oryx-eval read: megatron's files, run_config.yaml, then `latest`."""
-    path = checkpointing.iteration_dir(run.checkpoint.dir, iteration)
+    path = checkpoint.iteration_dir(run.checkpoint.dir, iteration)
     path.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": iteration, "layout": [1, 1, 1]},
                             str(path))
-    (path / checkpointing.RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(run)))
-    (Path(run.checkpoint.dir) / checkpointing.LATEST).write_text(path.name + "\n")
+    (path / checkpoint.RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(run)))
+    (Path(run.checkpoint.dir) / checkpoint.LATEST).write_text(path.name + "\n")
     return path

@@ -13,8 +13,8 @@ from oryx_megatron.data.documents import document_ids
 from oryx_megatron.data.indexed import IndexedLoader
 from oryx_megatron.data.loader import ShardLoader
 from oryx_megatron.data.synthetic import MQARLoader
-from oryx_megatron.training.builders import build_loader
 from oryx_megatron.run_config import ConfigError
+from oryx_megatron.training.builders import build_loader
 from oryx_megatron.training.validation import validate_run
 from tests.data.conftest import prepare
 from tests.test_train import run_config

@@ -8,12 +8,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from oryx_megatron import RECIPES_DIR
 from oryx_megatron.data.modes import random_chunks
 from oryx_megatron.data.synthetic import MQARLoader
 from oryx_megatron.data.tasks.mqar import solve_mqar
-from oryx_megatron import RECIPES_DIR
-from oryx_megatron.train import pretrain
 from oryx_megatron.run_config import ConfigError, load_train_config
+from oryx_megatron.train import pretrain
 
 SCHEDULE = {"name": "random_chunks", "chunk_size": 8, "p_attention": 0.5}
 

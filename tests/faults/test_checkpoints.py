@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from oryx_megatron import checkpoint
+from oryx_megatron.checkpoint import CheckpointError, apply_retention, verify_checkpoint
 from oryx_megatron.compat.megatron import common_state_location
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.train import pretrain
-from oryx_megatron.training import checkpointing, metrics
-from oryx_megatron.training.checkpointing import CheckpointError, apply_retention, verify_checkpoint
+from oryx_megatron.training import metrics
 from tests.test_train import losses, run_config
 
 # 6 iterations of a 1-layer model, a checkpoint every 2
@@ -136,7 +137,7 @@ def test_no_intact_checkpoint_is_one_error(stopped, tmp_path):
     for it in ("iter_0000002", "iter_0000004"):
         (run / "ckpt" / it / "metadata.json").unlink()
     with pytest.raises(CheckpointError, match=r"iter_0000004 is damaged: metadata.json is missing; no older"):
-        checkpointing.latest_checkpoint(str(run / "ckpt"))
+        checkpoint.latest_checkpoint(str(run / "ckpt"))
 
 
 class _Payload:
@@ -212,5 +213,5 @@ def test_resume_continues_the_metrics_curve_and_the_wandb_run(corpus, tmp_path, 
     assert len(runs) == 2, runs
     # each offline run holds run-<id>.wandb (its folder name gets a "-1" suffix when both start in one second)
     ids = {f.stem.split("-", 1)[1] for r in runs for f in r.glob("run-*.wandb")}
-    saved_id = checkpointing.load_common(tmp_path / "ckpt/iter_0000003")["run_id"]
+    saved_id = checkpoint.load_common(tmp_path / "ckpt/iter_0000003")["run_id"]
     assert ids == {saved_id}

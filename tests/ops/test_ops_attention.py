@@ -6,7 +6,12 @@ import warnings
 import pytest
 import torch
 
-from oryx_megatron.ops import BlockReads, block_sparse_causal_attention, causal_attention, cuda
+from oryx_megatron.ops import (
+    BlockReads,
+    block_sparse_causal_attention,
+    causal_attention,
+    cuda,
+)
 
 B, H, DK, DV = 2, 3, 4, 5
 

@@ -1,0 +1,27 @@
+"""Checkpoint files: the layout of a run's checkpoint directory, reading a distributed checkpoint (also one
+written before a parameter was renamed), and verifying one before megatron reads it. Training writes checkpoints
+(``oryx_megatron.training.checkpointing``); everything that reads them reads them here."""
+
+from oryx_megatron.checkpoint.files import (
+    CONFIG,
+    LATEST,
+    METADATA,
+    RUN_CONFIG,
+    CheckpointError,
+    apply_retention,
+    check_retention,
+    checkpoints,
+    iteration_dir,
+    iteration_of,
+    latest_name,
+    load_sharded,
+)
+from oryx_megatron.checkpoint.verify import (
+    latest_checkpoint,
+    load_common,
+    verify_checkpoint,
+)
+
+__all__ = ["CONFIG", "LATEST", "METADATA", "RUN_CONFIG", "CheckpointError", "apply_retention", "check_retention",
+           "checkpoints", "iteration_dir", "iteration_of", "latest_checkpoint", "latest_name", "load_common",
+           "load_sharded", "verify_checkpoint"]
