@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from data_prep.tokenizer import ByteTokenizer  # noqa: E402
 from oryx_megatron.checkpoint import load_common  # noqa: E402
-from oryx_megatron.hf.export import heldout_losses  # noqa: E402
+from oryx_megatron.interop.hf_export import heldout_losses  # noqa: E402
 from oryx_megatron.inference import generate  # noqa: E402
 from oryx_megatron.inference.checkpoint import load_model  # noqa: E402
 from oryx_megatron.tools import evaluate, export_hf, import_hf  # noqa: E402
@@ -130,8 +130,8 @@ def test_round_trip_is_bit_identical_and_oryx_eval_reads_it(tiny_checkpoint, imp
 def test_imported_checkpoint_trains_as_a_fresh_run_from_its_weights(corpus, tmp_path):
     """megatron (a run's initial weights) -> HF -> megatron, resumed by oryx-train: the same losses as the run
     itself, exactly (fresh optimizer state, schedule and data order)."""
-    from oryx_megatron.hf.export import export_model
-    from oryx_megatron.hf.importing import import_checkpoint
+    from oryx_megatron.interop.hf_export import export_model
+    from oryx_megatron.interop.hf_import import import_checkpoint
     from oryx_megatron.models.builder import build_model
     from oryx_megatron.parallel import initialize_parallel
     from oryx_megatron.train import pretrain
@@ -149,8 +149,8 @@ def test_imported_checkpoint_trains_as_a_fresh_run_from_its_weights(corpus, tmp_
 
 
 def test_transformer_round_trip_through_a_stock_llama_folder(corpus, single_process_parallel, tmp_path):
-    from oryx_megatron.hf.export import export_model
-    from oryx_megatron.hf.importing import import_checkpoint
+    from oryx_megatron.interop.hf_export import export_model
+    from oryx_megatron.interop.hf_import import import_checkpoint
     from oryx_megatron.models.builder import build_model
     from oryx_megatron.training.builders import model_config
 

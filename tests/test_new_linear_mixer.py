@@ -76,7 +76,9 @@ def test_a_recipe_names_the_new_mixer_and_a_family_fixes_its_own():
 def test_parallel_forward_equals_step_by_step_decode(prefill):
     mixer = build_mixer("oryx", mixers=MIXERS)
     assert isinstance(mixer.linear_mixer, Retention)
-    assert build_mixer("oryx", dtype=torch.bfloat16, mixers=MIXERS).linear_mixer.A_log.dtype == torch.float32
+    bf16 = tiny_args("oryx", mixers=MIXERS)
+    bf16 = build_model(bf16, transformer_config(bf16, params_dtype=torch.bfloat16, bf16=True))
+    assert bf16.decoder.layers[0].mixer.linear_mixer.A_log.dtype == torch.float32  # add_scalar_params: fp32
     x, modes = hidden_states(40), random_modes(41, chunk=4)
     assert (run_decode(mixer, x, modes, prefill=prefill) - run_parallel(mixer, x, modes)).abs().max() < 1e-9
     linear, attention = (run_parallel(mixer, x, torch.full_like(modes, m)) for m in (0, 1))

@@ -1,14 +1,14 @@
-"""Hugging Face transformers interop (docs/hf.md): the Oryx model as a transformers model, and the
-conversion of megatron checkpoints to transformers folders and back.
+"""Hugging Face transformers front end (docs/hf.md): the Oryx model as a transformers model, holding the one
+mixer core (``oryx_megatron.mixer``), and the in-memory conversion of megatron models and configs.
 
-- ``OryxHFConfig``, ``OryxForCausalLM``, ``OryxCache``: the model (plain torch modules computing with
-  ``oryx_megatron.ops``), registered here with ``AutoConfig`` / ``AutoModelForCausalLM`` (``model_type:
-  "oryx"``); a folder's ``auto_map`` loads them with ``trust_remote_code=True`` where this package is installed;
-- ``layout``: the weight names and fused-tensor splits that export and import share;
-- ``export`` / ``importing``: ``oryx-export hf`` and ``oryx-import hf`` (``oryx_megatron.tools``).
+- ``OryxHFConfig``, ``OryxForCausalLM``, ``OryxCache``: what transformers asks of a model (config class,
+  PreTrainedModel plumbing, the cache object, generate), registered here with ``AutoConfig`` /
+  ``AutoModelForCausalLM`` (``model_type: "oryx"``); a folder's ``auto_map`` loads them with
+  ``trust_remote_code=True`` where this package is installed;
+- ``layout``: the weight names and fused-tensor splits of export and import; ``convert``: configs and weights.
 
-Needs ``transformers`` and ``safetensors`` (``pip install 'oryx-megatron[hf]'``); the rest of the package
-does not import this one.
+Exporting and importing checkpoint files is ``oryx_megatron.interop``. Needs ``transformers`` and ``safetensors``
+(``pip install 'oryx-megatron[hf]'``); the rest of the package does not import this one.
 """
 
 from transformers import AutoConfig, AutoModelForCausalLM

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def tokenizer_files(run, spec: Optional[str]):
     """The run's tokenizer as ``TokenizerFiles`` (None for synthetic MQAR data, which has none)."""
-    from oryx_megatron.hf.export import TokenizerFiles
+    from oryx_megatron.interop.hf_export import TokenizerFiles
 
     if spec is None and run.data.format == "mqar":
         return None
@@ -48,7 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        from oryx_megatron.hf.export import export_model, heldout_losses
+        from oryx_megatron.interop.hf_export import export_model, heldout_losses
     except ImportError as e:
         parser.error(f"{HF_NEEDS} ({e})")
     written = args.dtype

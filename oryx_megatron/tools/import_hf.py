@@ -37,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not Path(args.hf_dir).is_dir():
         parser.error(f"{args.hf_dir}: no such directory")
     try:
-        from oryx_megatron.hf.importing import import_checkpoint
+        from oryx_megatron.interop.hf_import import import_checkpoint
     except ImportError as e:
         parser.error(f"{HF_NEEDS} ({e})")
     try:
