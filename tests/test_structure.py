@@ -10,9 +10,13 @@ from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What each part of the library may import (besides itself and third-party packages):
-# ops <- layers <- models <- {training, inference} <- {eval, hf} <- tools; data depends on nothing above it.
+# What each part of the library may import (besides itself and third-party packages). From the bottom:
+# config (the schemas), compat, launch, parallel (foundation); ops; data (knows no model); mixer (the one mixer
+# core: plain torch); run_config (oryx-train's schema); checkpoint (checkpoint files); layers (megatron holders)
+# <- models <- {training, inference}; hf (the transformers front end) beside inference, importing no training;
+# eval; interop (checkpoint files to and from other formats) and the tools on top.
 FOUNDATION = {"config", "compat", "launch", "parallel"}
+BELOW_MODELS = {"layers", "mixer", "ops", "data", "run_config", "checkpoint"} | FOUNDATION
 ALLOWED = {
     "ops": set(),
     "config": set(),
@@ -20,15 +24,18 @@ ALLOWED = {
     "launch": set(),
     "parallel": {"compat", "launch"},
     "data": {"config"},
-    "layers": {"ops", "config"},
-    "models": {"layers", "ops", "config"},
-    "training": {"models", "layers", "ops", "data"} | FOUNDATION,
-    "train": {"training", "models", "layers", "ops", "data"} | FOUNDATION,
-    "inference": {"training", "models", "layers", "ops", "data"} | FOUNDATION,
-    "eval": {"inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
-    # Hugging Face interop: plain torch modules on the ops (no layers), conversion through models and training
-    "hf": {"inference", "training", "models", "ops", "data"} | FOUNDATION,
-    "tools": {"hf", "eval", "inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
+    "mixer": {"ops", "config"},
+    "run_config": {"config", "data", "mixer"},
+    "checkpoint": {"compat", "config", "run_config"},
+    "layers": {"mixer", "ops", "config"},
+    "models": {"layers", "mixer", "ops", "config"},
+    "training": {"models"} | BELOW_MODELS,
+    "train": {"training", "models"} | BELOW_MODELS,
+    "inference": {"models"} | BELOW_MODELS,
+    "hf": {"inference", "models", "mixer", "ops", "data", "run_config", "checkpoint"} | FOUNDATION,
+    "eval": {"inference", "training", "train", "models"} | BELOW_MODELS,
+    "interop": {"hf", "inference", "training", "models"} | BELOW_MODELS,
+    "tools": {"interop", "hf", "eval", "inference", "train", "training", "models"} | BELOW_MODELS,
 }
 
 
@@ -90,6 +97,23 @@ def test_the_import_check_sees_upward_imports(tmp_path):
         "data_prep/probe.py:1 imports oryx_megatron.training",
     ]
 
+
+
+def test_the_mixer_core_imports_neither_megatron_nor_transformers():
+    """The one mixer core is plain torch: both front ends (megatron, transformers) import it, not it them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, oryx_megatron.mixer, oryx_megatron.config; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_hugging_face_front_end_holds_no_mixing_math():
+    """hf/ holds what transformers asks of a model; the mixing is the core's (it imports no ops)."""
+    assert [f"{path.name}:{line} imports {module}" for path in sorted((ROOT / "oryx_megatron/hf").rglob("*.py"))
+            for line, module in _imports(path, "oryx_megatron.hf") if module.startswith("oryx_megatron.ops")] == []
 
 # Where megatron-core's version may be read: the compatibility module (which detects features instead), and the
 # GPU check's header, which reports every package's installed version and decides nothing by it.
