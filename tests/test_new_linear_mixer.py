@@ -13,7 +13,6 @@ from typing import Dict, Optional, Tuple
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor
 
 from oryx_megatron.config import MixerConfig
@@ -96,13 +95,12 @@ def test_tensor_parallel_equals_single_rank(tmp_path, level):
 
 
 def test_checkpoint_and_hf_export_give_the_same_logits(single_process_parallel, tmp_path):
-    from megatron.core import dist_checkpointing
     from transformers import AutoModelForCausalLM
 
-    from oryx_megatron import checkpoint
     from oryx_megatron.hf.convert import hf_config, hf_model, megatron_to_hf, model_args
     from oryx_megatron.inference.checkpoint import load_model
     from oryx_megatron.run_config import TrainConfig
+    from oryx_megatron.training.router import save_model
 
     args = tiny_args("oryx", mixers=MIXERS, kernel_backend="torch")
     torch.manual_seed(0)
@@ -112,11 +110,9 @@ def test_checkpoint_and_hf_export_give_the_same_logits(single_process_parallel, 
     with torch.no_grad():
         want = model(ids, modes)
 
-    path = checkpoint.iteration_dir(str(tmp_path / "ckpt"), 1)
-    path.mkdir(parents=True)
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(path))
-    (path / checkpoint.RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(TrainConfig(model=args))))
-    loaded, run = load_model(str(path))
+    run = TrainConfig(model=args)
+    run.checkpoint.dir = str(tmp_path / "ckpt")
+    loaded, run = load_model(str(save_model(run, model, iteration=1)))  # the model-only checkpoint of a run
     assert run.model.mixers == MIXERS
     with torch.no_grad():
         assert torch.equal(loaded(ids, modes), want)

@@ -97,3 +97,27 @@ def test_bf16_inputs_give_bf16_output_and_fp32_state():
     assert o_step.dtype == torch.bfloat16 and state_step.dtype == torch.float32
     assert (o.double() - o_ref).abs().max() < 0.1
     assert (state.double() - state_ref).abs().max() < 0.1
+
+
+def design_card_recurrence(q, k, v, g, beta, initial_state):
+    """An oracle written from the design card, not from the module: per token and head, with the state as a
+    [d_k, d_v] matrix, S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T and o_t = S_t^T q_t / sqrt(d_k)."""
+    eye = torch.eye(DK, dtype=torch.float64)
+    out = torch.zeros(B, q.shape[1], H, DV, dtype=torch.float64)
+    state = initial_state.clone()
+    for b in range(B):
+        for h in range(H):
+            S = state[b, h]
+            for t in range(q.shape[1]):
+                kt, bt = k[b, t, h][:, None], beta[b, t, h]  # [d_k, 1]
+                S = torch.exp(g[b, t, h]) * (eye - bt * kt @ kt.T) @ S + bt * kt @ v[b, t, h][None]
+                out[b, t, h] = S.T @ q[b, t, h] / DK ** 0.5
+            state[b, h] = S
+    return out, state
+
+
+def test_chunked_equals_the_design_cards_recurrence():
+    inputs, h0 = make_inputs(29)
+    o, state = chunk_gated_delta_rule(**inputs, initial_state=h0, chunk_size=8)
+    o_ref, state_ref = design_card_recurrence(**inputs, initial_state=h0)
+    assert (o - o_ref).abs().max() < 1e-10 and (state - state_ref).abs().max() < 1e-10

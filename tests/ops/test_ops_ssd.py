@@ -100,3 +100,26 @@ def test_bf16_inputs_give_bf16_output_and_fp32_state():
     assert y_step.dtype == torch.bfloat16 and state_step.dtype == torch.float32
     assert (y.double() - y_ref).abs().max() < 0.02 * y_ref.abs().max()
     assert (state.double() - state_ref).abs().max() < 0.02 * state_ref.abs().max()
+
+
+def quadratic_form(x, dt, A, B, C, D, initial_state):
+    """An oracle written from the SSD paper's quadratic ("attention") form, not from the module: with the decay
+    L[t, j] = exp(A sum_{j < i <= t} dt_i) for j <= t, y_t = sum_j (C_t . B_j) L[t, j] dt_j x_j
+    + C_t^T exp(A sum_{i <= t} dt_i) S_0 + D x_t; the final state sum_j L[s-1, j] dt_j B_j x_j^T + L0 S_0."""
+    cum = torch.cumsum(dt * A, dim=1)  # [b, s, h]: A sum_{i <= t} dt_i
+    s = x.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    L = torch.exp((cum[:, :, None] - cum[:, None, :]).masked_fill(~causal[None, :, :, None], -torch.inf))  # b t j h
+    scores = torch.einsum("bthn,bjhn->btjh", C, B) * L * dt[:, None]  # [b, t, j, h]
+    y = torch.einsum("btjh,bjhp->bthp", scores, x)
+    y = y + torch.einsum("bthn,bhnp->bthp", C * torch.exp(cum)[..., None], initial_state) + D[:, None] * x
+    last = torch.exp(cum[:, -1:] - cum) * dt  # [b, j, h]: the decay of write j to the end, times dt_j
+    final = torch.einsum("bjh,bjhn,bjhp->bhnp", last, B, x) + torch.exp(cum[:, -1])[..., None, None] * initial_state
+    return y, final
+
+
+def test_chunked_equals_the_quadratic_form():
+    inputs, h0 = make_inputs(29)
+    y, state = ssd_chunk_scan(**inputs, initial_state=h0, chunk_size=8)
+    y_ref, state_ref = quadratic_form(**inputs, initial_state=h0)
+    assert (y - y_ref).abs().max() < 1e-10 and (state - state_ref).abs().max() < 1e-10
