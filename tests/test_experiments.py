@@ -256,6 +256,8 @@ def test_bad_experiment_file_names_the_field(tmp_path, monkeypatch):
 def test_run_key_ignores_logging_and_follows_what_shapes_the_weights():
     base = ["data=mqar", "logging.wandb_mode=disabled"]
     key = experiment.run_key(experiment.compose_run("tiny_gdn", 1, base))
+    # the keys runs were trained under: fields added since (at their defaults) and the one schema change none
+    assert (key, experiment.run_key(experiment.compose_run("tiny_oryx_tm", 1, base))) == ("e2ec5d3e", "18fd929b")
     same = ["train.log_interval=7", "train.eval_interval=null", "logging.wandb_mode=offline", "checkpoint.dir=/x"]
     assert experiment.run_key(experiment.compose_run("tiny_gdn", 1, base + same)) == key
     for other in (["optimizer.lr=1e-4"], ["data.mqar_num_pairs=4"], ["model.num_layers=1"], ["data.reset_at_eod=true"]):

@@ -40,6 +40,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from oryx_megatron import RECIPES_DIR
+from oryx_megatron.config import FAMILY_MIXERS
 from oryx_megatron.eval import mode_switch
 from oryx_megatron.eval.ppl import evaluate_ppl
 from oryx_megatron.eval.retrieval import evaluate_retrieval
@@ -187,7 +188,10 @@ def compose_run(model: str, seed: int, config: List[str]) -> TrainConfig:
 # Fields that do not shape the trained weights: runs differing only there are the same run.
 NOT_IN_RUN_KEY = {"train": ("log_interval", "eval_interval", "eval_iters", "eval_schedules", "exit_interval")}
 # fields added after runs were keyed: left out at their default, so that the earlier runs keep their keys
-ADDED_WITH_DEFAULT = {"data": {"reset_at_eod": False}, "model": {"router_hidden": None, "router_chunk_size": 128}}
+ADDED_WITH_DEFAULT = {"data": {"reset_at_eod": False},
+                      "model": {"router_hidden": None, "router_chunk_size": 128, "mixer_conv_activation": "silu",
+                                "attention_rotary": True, "rotary_base": 10000.0, "A_init_range": [1.0, 16.0],
+                                "dt_min": 0.001, "dt_max": 0.1, "dt_init_floor": 1e-4}}
 
 
 def run_key(run: TrainConfig) -> str:
@@ -201,6 +205,8 @@ def run_key(run: TrainConfig) -> str:
             identity[section].pop(key)
     if identity["router"]["mode"] == "none":  # added later too: the whole section when no router trains
         identity.pop("router")
+    if identity["model"]["mixers"] == FAMILY_MIXERS[identity["model"]["family"]]:  # a family's own: not a field then
+        identity["model"].pop("mixers")
     for section, defaults in ADDED_WITH_DEFAULT.items():
         for key, default in defaults.items():
             if identity[section][key] == default:
