@@ -26,6 +26,7 @@ def initialize_parallel(
     seed: int = 1234,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
+    context_parallel_size: int = 1,
 ) -> None:
     """Start torch.distributed (nccl on CUDA, gloo on CPU) and megatron's parallel state.
 
@@ -34,7 +35,8 @@ def initialize_parallel(
     ``timeout_minutes`` (``parallel.distributed_timeout_minutes``): a collective that waits
     longer for a dead or hung rank raises on the others instead of hanging (every group's
     timeout; on NCCL with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's default, the watchdog
-    aborts the process). Only the first call in a process sets it.
+    aborts the process). Only the first call in a process sets it. ``context_parallel_size``: ranks that split
+    every sequence (world = TP x CP x PP x DP, megatron's groups).
     """
     timeout = timedelta(minutes=timeout_minutes)
     apply_cpu_compat()
@@ -47,13 +49,15 @@ def initialize_parallel(
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    layout = (tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)
+    layout = (tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
+              context_parallel_size)
     if _current_layout() != layout:
         _destroy_model_parallel()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            context_parallel_size=context_parallel_size,
             distributed_timeout_minutes=timeout_minutes,
         )
     elif virtual_pipeline_model_parallel_size is not None:
@@ -73,14 +77,15 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
-def _current_layout() -> Optional[Tuple[int, int, Optional[int]]]:
-    """(TP, PP, VP) sizes of the parallel state in place, or None."""
+def _current_layout() -> Optional[Tuple[int, int, Optional[int], int]]:
+    """(TP, PP, VP, CP) sizes of the parallel state in place, or None."""
     if not parallel_state.model_parallel_is_initialized():
         return None
     return (
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
     )
 
 

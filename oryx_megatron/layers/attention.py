@@ -19,9 +19,10 @@ class TEAttention(MegatronModule):
         import transformer_engine.pytorch as te
         from megatron.core import parallel_state
 
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.attention = te.DotProductAttention(
-            num_attention_heads=config.num_attention_heads // tp,
+        tp, cp = (parallel_state.get_tensor_model_parallel_world_size(),
+                  parallel_state.get_context_parallel_world_size())
+        self.attention = te.DotProductAttention(  # the whole sequence of this rank's heads (mixer.context_parallel)
+            num_attention_heads=config.num_attention_heads // (tp * cp),
             kv_channels=(config.kv_channels, config.value_head_dim),
             attention_dropout=config.attention_dropout,
             qkv_format="bshd",

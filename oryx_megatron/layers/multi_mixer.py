@@ -3,7 +3,9 @@ parameters the megatron way and leaves the math to the mixer core: the fused inp
 column-parallel linear from the spec (all-gathering the sequence under sequence parallelism), the output
 projection a row-parallel one, the attention the spec's core attention; the per-head parameters (convs,
 norm weight, the linear mixer's scalars) hold this rank's heads and checkpoint as shards of the full tensors
-along dim 0, so a checkpoint reshards across TP sizes. Hidden states are [s, b, hidden], megatron's layout.
+along dim 0, so a checkpoint reshards across TP sizes. Under context parallelism the mixing runs on the whole
+sequence for a share of the heads (``mixer.context_parallel``): the per-head parameters are replicated over
+the context-parallel ranks, as every weight is. Hidden states are [s, b, hidden], megatron's layout.
 """
 
 import logging
@@ -22,7 +24,7 @@ from megatron.core.transformer.utils import (
 from torch import Tensor
 
 from oryx_megatron.layers.config import OryxConfig
-from oryx_megatron.mixer import HeadModule, HeadShard, MixerLayout, OryxMixer
+from oryx_megatron.mixer import ContextParallel, HeadModule, HeadShard, MixerLayout, OryxMixer
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,10 @@ class MultiMixer(OryxMixer):
                                 input_is_parallel=True, skip_bias_add=True, is_expert=False,
                                 tp_comm_buffer_name="proj", tp_group=tp_group)
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        shard = HeadShard(tp_group.size(), tp_group.rank(), config.params_dtype, device, config.perform_initialization)
+        cp_group = parallel_state.get_context_parallel_group()
+        cp = ContextParallel(cp_group if cp_group.size() > 1 else None)  # the mixing splits heads, not tokens
+        shard = HeadShard(tp_group.size(), tp_group.rank(), config.params_dtype, device, config.perform_initialization,
+                          cp)
         super().__init__(config, shard, in_proj, out_proj, core_attention)
         self.layer_number, self.tp_group = layer_number, tp_group
         self.recompute = config.recompute_granularity == "selective"
@@ -66,12 +71,11 @@ class MultiMixer(OryxMixer):
     def _tokens(self, hidden: Tensor) -> int:
         return hidden.shape[0]
 
-    def _project(self, hidden: Tensor) -> Dict[str, Tensor]:
-        """[s, b, hidden] -> stream -> [b, s, h, width] (all-gathered sequence under SP)."""
+    def _projection(self, hidden: Tensor) -> Tensor:
+        """[s, b, hidden] -> [b, s, h, width of every stream] (all-gathered sequence under SP)."""
         proj, _ = self.in_proj(hidden)  # [s, b, h * sum(widths)]
         s, b = proj.shape[:2]
-        proj = proj.transpose(0, 1).reshape(b, s, self.num_heads, -1)
-        return dict(zip(self.layout.streams, proj.split(list(self.layout.streams.values()), dim=-1)))
+        return proj.transpose(0, 1).reshape(b, s, self.num_heads, -1)
 
     def _output(self, y: Tensor):
         """Shared W_O: [b, s, h, d_v] -> ([s, b, hidden], bias)."""

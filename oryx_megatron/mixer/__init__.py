@@ -9,6 +9,7 @@ model (``oryx_megatron.hf``) hold its parameters and call it.
 """
 
 from oryx_megatron.mixer.context import QUERY_BLOCK, MixerContext
+from oryx_megatron.mixer.context_parallel import ContextParallel
 from oryx_megatron.mixer.heads import HeadModule, HeadShard
 from oryx_megatron.mixer.layout import MixerLayout
 from oryx_megatron.mixer.linear import LINEAR_MIXERS, LinearMixer, linear_mixer_class
@@ -16,5 +17,5 @@ from oryx_megatron.mixer.oryx_mixer import OryxMixer
 from oryx_megatron.mixer.router import ChunkRouter
 from oryx_megatron.mixer.state import KV_BLOCK, MixerCache, MixerSnapshot
 
-__all__ = ["ChunkRouter", "HeadModule", "HeadShard", "KV_BLOCK", "LINEAR_MIXERS", "LinearMixer", "MixerCache",
+__all__ = ["ChunkRouter", "ContextParallel", "HeadModule", "HeadShard", "KV_BLOCK", "LINEAR_MIXERS", "LinearMixer", "MixerCache",
            "MixerContext", "MixerLayout", "MixerSnapshot", "OryxMixer", "QUERY_BLOCK", "linear_mixer_class"]

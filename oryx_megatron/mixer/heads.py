@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from oryx_megatron.config import MixerConfig
+from oryx_megatron.mixer.context_parallel import ContextParallel
 
 Init = Callable[[Tuple[int, ...]], Tensor]  # full (TP=1) shape -> a tensor drawn on the CPU generator
 
@@ -15,14 +16,16 @@ Init = Callable[[Tuple[int, ...]], Tensor]  # full (TP=1) shape -> a tensor draw
 @dataclasses.dataclass(frozen=True)
 class HeadShard:
     """This rank's share of the heads and how its parameters are made: tensor-parallel size and rank (the
-    Hugging Face model: 1, 0), parameter dtype (None: torch's default dtype) and device, and whether to draw
-    initial values (False: a front end initialises or loads them)."""
+    Hugging Face model: 1, 0), parameter dtype (None: torch's default dtype) and device, whether to draw initial
+    values (False: a front end initialises or loads them), and the context-parallel group, over which a rank
+    computes with a share of its heads (``HeadModule.local``)."""
 
     tp_size: int = 1
     tp_rank: int = 0
     dtype: Optional[torch.dtype] = None
     device: Optional[torch.device] = None
     initialize: bool = True
+    cp: ContextParallel = dataclasses.field(default_factory=ContextParallel)
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -38,9 +41,9 @@ class HeadModule(nn.Module):
 
     def __init__(self, config: MixerConfig, shard: HeadShard):
         super().__init__()
-        if config.num_attention_heads % shard.tp_size:
-            raise ValueError(f"num_attention_heads={config.num_attention_heads} does not divide by the "
-                             f"tensor-parallel size {shard.tp_size}")
+        if config.num_attention_heads % (shard.tp_size * shard.cp.size):
+            raise ValueError(f"num_attention_heads={config.num_attention_heads} does not divide by tensor x context "
+                             f"parallel size {shard.tp_size} x {shard.cp.size}: each rank mixes whole heads")
         self.config, self.shard = config, shard
         self.num_heads = config.num_attention_heads // shard.tp_size  # heads on this rank
         self.head_params: Dict[str, Tuple[Tuple[int, ...], Init]] = {}  # name -> (full shape, init)
@@ -57,6 +60,12 @@ class HeadModule(nn.Module):
             if self.shard.initialize:
                 with torch.no_grad():
                     param.copy_(self.initial_value(name))
+
+    def local(self, name: str) -> Tensor:
+        """Head parameter ``name`` for the heads this rank mixes: all of them, or its context-parallel share (a
+        slice: the gradient reaches the whole parameter)."""
+        param, cp = getattr(self, name), self.shard.cp
+        return param if cp.size == 1 else param.chunk(cp.size, dim=0)[cp.rank]
 
     def initial_value(self, name: str) -> Tensor:
         """This rank's slice of a fresh full draw of head parameter ``name``."""
@@ -90,4 +99,4 @@ class GatedRMSNorm(HeadModule):
 
     def forward(self, y: Tensor, gate: Tensor) -> Tensor:
         """y, gate [b, s, h, d_v] -> [b, s, h, d_v]."""
-        return self.kernels.gated_rms_norm(y, gate, self.weight, self.config.layernorm_epsilon)
+        return self.kernels.gated_rms_norm(y, gate, self.local("weight"), self.config.layernorm_epsilon)

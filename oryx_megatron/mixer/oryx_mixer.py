@@ -53,7 +53,7 @@ READ_LINEAR = MixerContext(Mode.LINEAR, frozenset((Mode.LINEAR,)))
 
 class OryxMixer(HeadModule):
     """Hidden states [b, s, hidden] in and out, through ``in_proj`` and ``out_proj`` (plain ``nn.Linear`` unless a
-    front end passes its own and overrides ``_project`` / ``_output`` for its layout); ``core_attention``: the
+    front end passes its own and overrides ``_projection`` / ``_output`` for its layout); ``core_attention``: the
     attention slot (default ``SDPAttention``)."""
 
     def __init__(self, config: MixerConfig, shard: HeadShard = HeadShard(), in_proj: Optional[nn.Module] = None,
@@ -81,14 +81,18 @@ class OryxMixer(HeadModule):
     def forward(self, hidden: Tensor, context: MixerContext, cache: Optional[MixerCache] = None):
         """hidden [b, s, hidden] -> [b, s, hidden]. With ``cache`` the tokens continue the cached ones (prefill);
         one token after cached ones is a decode step (``step``)."""
+        cp = self.shard.cp
+        if cache is not None and cp.size > 1:
+            raise ValueError("inference caches run at context_parallel_size=1: context parallelism splits the "
+                             "sequence of a parallel forward (training, evaluation)")
         if cache is not None and cache.seqlen > 0 and self._tokens(hidden) == 1:
             return self.step(hidden, context, cache)
-        x = self._project(hidden)  # stream -> [b, s, h, width]
+        x = self._streams(cp.to_heads(self._projection(hidden)))  # stream -> [b, s, h (/ cp), width]
         if self.recompute and self.training and cache is None:
             y = checkpoint(self._mix, x, context, None, use_reentrant=False)
         else:
             y = self._mix(x, context, cache)
-        return self._output(y)
+        return self._output(cp.to_sequence(y))
 
     def _mix(self, x: Dict[str, Tensor], context: MixerContext, cache: Optional[MixerCache]) -> Tensor:
         """Projected streams -> each token's read, normed and gated: [b, s, h, d_v]."""
@@ -142,11 +146,11 @@ class OryxMixer(HeadModule):
         ``decode=True`` (or one Mode). With ``readouts`` [b, h, 2, d_v] both mixers read and their reads are
         written there (``step_readouts``). Positions come from the cache's ``position`` tensor and every state is
         written in place: no host synchronisation, so the step can be captured in a CUDA graph."""
-        x = {name: t.squeeze(1) for name, t in self._project(hidden).items()}  # [b, h, width]
+        x = {name: t.squeeze(1) for name, t in self._streams(self._projection(hidden)).items()}  # [b, h, width]
         for name in self.layout.conv_streams:
             b, h, d = x[name].shape
             y, state = self.kernels.causal_conv1d_step(x[name].reshape(b, h * d), cache.conv_states[name],
-                                                       getattr(self, f"conv_{name}").weight,
+                                                       getattr(self, f"conv_{name}").local("weight"),
                                                        activation=self.config.mixer_conv_activation)
             cache.conv_states[name].copy_(state)
             x[name] = y.view(b, h, d)
@@ -198,11 +202,12 @@ class OryxMixer(HeadModule):
     # ---- what a router reads (mixer/router.py) ----
     def chunk_readouts(self, hidden: Tensor, chunk_size: int, documents: Optional[Documents] = None) -> Tensor:
         """Both mixers' reads of the first token of every chunk of ``chunk_size`` positions: hidden -> [b,
-        ceil(s / chunk_size), h, 2, d_v] (``_readouts``). Neither read depends on any token's mode (both
+        ceil(s / chunk_size), h, 2, d_v] (``_readouts``; under context parallelism from this rank's tokens, every
+        head gathered). Neither read depends on any token's mode (both
         memories absorb every token): in the first layer, whose input does not depend on modes either, they
         are known before any mode is chosen."""
         self._require_both_mixers()
-        x = self._project(hidden)  # stream -> [b, s, h, d]
+        x = self._streams(self.shard.cp.to_heads(self._projection(hidden)))  # stream -> [b, s, h (/ cp), d]
         for name in self.layout.conv_streams:
             x[name], _ = self._conv(x[name], name, None, documents)
         self._gate_keys_and_values(x)
@@ -212,7 +217,7 @@ class OryxMixer(HeadModule):
         document_ids = None if documents is None else documents.ids
         attention = attention_at(q, self._rotary(x["k"], slice(0, s), s), x["v"], starts, document_ids)
         linear, _ = self.linear_mixer(x, documents=documents)  # [b, s, h, d_v]
-        return self._readouts(attention, linear[:, starts], x["g"][:, starts])
+        return self.shard.cp.all_heads(self._readouts(attention, linear[:, starts], x["g"][:, starts]))
 
     def step_readouts(self, hidden: Tensor, cache: MixerCache) -> Tensor:
         """``chunk_readouts`` of one new token at decode: hidden [b, 1, hidden] (the front end's layout) -> [b, 1,
@@ -241,10 +246,13 @@ class OryxMixer(HeadModule):
         """Tokens per sequence of hidden states in this front end's layout ([b, s, hidden] here)."""
         return hidden.shape[1]
 
-    def _project(self, hidden: Tensor) -> Dict[str, Tensor]:
-        """[b, s, hidden] -> stream -> [b, s, h, width]."""
+    def _projection(self, hidden: Tensor) -> Tensor:
+        """The fused input projection: [b, s, hidden] -> [b, s, h, width of every stream]."""
         b, s = hidden.shape[:2]
-        proj = self.in_proj(hidden).view(b, s, self.num_heads, -1)
+        return self.in_proj(hidden).view(b, s, self.num_heads, -1)
+
+    def _streams(self, proj: Tensor) -> Dict[str, Tensor]:
+        """[b, s, h, width of every stream] -> stream -> [b, s, h, width] (``MixerLayout``)."""
         return dict(zip(self.layout.streams, proj.split(list(self.layout.streams.values()), dim=-1)))
 
     def _output(self, y: Tensor):
@@ -255,7 +263,7 @@ class OryxMixer(HeadModule):
               documents: Optional[Documents]) -> Tuple[Tensor, Tensor]:
         b, s, h, d = x.shape
         y, final_state = self.kernels.causal_conv1d(
-            x.reshape(b, s, h * d), getattr(self, f"conv_{name}").weight, initial_state=state,
+            x.reshape(b, s, h * d), getattr(self, f"conv_{name}").local("weight"), initial_state=state,
             activation=self.config.mixer_conv_activation, documents=documents,
         )
         return y.view(b, s, h, d), final_state

@@ -72,11 +72,11 @@ class LinearMixer(HeadModule, ABC):
     @property
     def A(self) -> Tensor:
         """A = -exp(A_log) [h], the per-head decay rate."""
-        return -torch.exp(upcast(self.A_log))
+        return -torch.exp(upcast(self.local("A_log")))
 
     def time_step(self, raw: Tensor) -> Tensor:
         """softplus(raw + dt_bias): a width-1 stream [.., h, 1] -> [.., h]."""
-        return F.softplus(upcast(raw[..., 0]) + upcast(self.dt_bias))
+        return F.softplus(upcast(raw[..., 0]) + upcast(self.local("dt_bias")))
 
     # full (TP=1) shapes, drawn on the CPU generator
     def _init_A_log(self, shape):

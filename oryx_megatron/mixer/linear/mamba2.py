@@ -35,11 +35,11 @@ class Mamba2Mixer(LinearMixer):
     ) -> Tuple[Tensor, Optional[Tensor]]:
         dt = self.time_step(x["dt"])  # [b, s, h] fp32
         return self.kernels.ssd_chunk_scan(
-            x=x["v"], dt=dt, A=self.A, B=x["k"], C=x["q_lin"], D=self.D, initial_state=initial_state,
+            x=x["v"], dt=dt, A=self.A, B=x["k"], C=x["q_lin"], D=self.local("D"), initial_state=initial_state,
             output_final_state=output_final_state, chunk_size=self.config.linear_chunk_size,
             documents=documents,
         )  # o [b, s, h, d_v], final state [b, h, d_k, d_v]
 
     def step(self, x: Dict[str, Tensor], state: Tensor) -> Tuple[Tensor, Tensor]:
         dt = self.time_step(x["dt"])  # [b, h] fp32
-        return self.kernels.ssd_step(x=x["v"], dt=dt, A=self.A, B=x["k"], C=x["q_lin"], state=state, D=self.D)
+        return self.kernels.ssd_step(x=x["v"], dt=dt, A=self.A, B=x["k"], C=x["q_lin"], state=state, D=self.local("D"))

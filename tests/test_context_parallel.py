@@ -1,0 +1,101 @@
+"""Context parallelism is exact: CP=2 (head all-to-all, megatron's load-balanced split of every sequence) equals
+CP=1 on the same weights, for the layer and the whole model, outputs, input gradients and every parameter
+gradient (summed over the context-parallel ranks, as megatron's DDP reduces them), every family, with chunked
+random modes (the block-sparse attention), packed documents; TP=2 x CP=2 (4 gloo processes) equals TP=1.
+fp64 but for the model's loss (megatron's vocab-parallel cross entropy computes in fp32)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from oryx_megatron.mixer import MixerContext
+from oryx_megatron.models.builder import build_model, transformer_config
+from oryx_megatron.parallel import initialize_parallel
+from tests.distributed import run_distributed
+from tests.helpers import build_mixer, tiny_args
+
+B, S, HIDDEN, VOCAB = 2, 32, 64, 97  # S divides by 2 x CP for CP = 2 (and 4)
+FAMILIES = ["oryx_tg", "oryx_tm", "gdn", "mamba2"]
+TOLERANCE = {"mixer": 1e-10, "model": 1e-5}
+
+
+def this_rank_tokens(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """This context-parallel rank's tokens of whole sequences: chunks r and 2 cp - 1 - r of 2 cp along ``dim``."""
+    cp, r = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    chunks = t.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[r], chunks[2 * cp - 1 - r]], dim=dim)
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(S, B, HIDDEN, generator=g, dtype=torch.float64) for _ in range(2))
+    modes = torch.randint(0, 2, (B, S // 4), generator=g, dtype=torch.int8).repeat_interleave(4, 1)
+    ids = torch.randint(0, VOCAB, (B, S + 1), generator=g)
+    documents = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * S])  # boundaries inside rank 0's and rank 1's
+    return x, dy, modes, ids, documents
+
+
+def mixer_step(module):
+    """(output, input gradient) of this rank's tokens, the parameter gradients summed over the CP ranks."""
+    x, dy, modes, _, documents = inputs()
+    x = this_rank_tokens(x, 0).clone().requires_grad_()
+    out, _ = module(x, MixerContext.build(module.config, modes, documents))
+    (out * this_rank_tokens(dy, 0)).sum().backward()
+    return out.detach(), x.grad
+
+
+def model_step(module):
+    _, _, modes, ids, documents = inputs()
+    loss = module(this_rank_tokens(ids[:, :-1], 1), modes, labels=this_rank_tokens(ids[:, 1:], 1),
+                  document_ids=documents)
+    (loss * this_rank_tokens(torch.linspace(0.5, 1.5, S, dtype=loss.dtype)[None], 1)).sum().backward()
+    return loss.detach(), None
+
+
+def build(level, family, **parallel):
+    if level == "mixer":
+        return build_mixer(family, seed=0, parallel=parallel)
+    args = tiny_args(family)
+    torch.manual_seed(0)
+    return build_model(args, transformer_config(args, params_dtype=torch.float64, **parallel))
+
+
+def ref_layout(ref, level):
+    return (ref if level == "mixer" else ref.decoder.layers[0].mixer).layout
+
+
+def summed_grads(module):
+    grads = {}
+    for name, p in module.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+        grads[name] = g
+    return grads
+
+
+def cp_equals_cp1(level: str, families=FAMILIES, tp: int = 1, cp: int = 2):
+    step = mixer_step if level == "mixer" else model_step
+    for family in families:
+        initialize_parallel(tensor_model_parallel_size=1)
+        ref = build(level, family)
+        out_ref, dx_ref = step(ref)
+        grads_ref = {n: p.grad for n, p in ref.named_parameters()}
+
+        initialize_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        split = build(level, family, tensor_model_parallel_size=tp, context_parallel_size=cp)
+        mixer = split if level == "mixer" else split.decoder.layers[0].mixer
+        assert mixer.shard.cp.size == cp and mixer.layout == ref_layout(ref, level)
+        if tp == 1:
+            out, dx = step(split)
+            dim = 0 if level == "mixer" else 1
+            assert (out - this_rank_tokens(out_ref, dim)).abs().max() < TOLERANCE[level], f"{family} output"
+            if dx is not None:
+                assert (dx - this_rank_tokens(dx_ref, 0)).abs().max() < TOLERANCE[level], f"{family} input grad"
+            for name, grad in summed_grads(split).items():
+                assert (grad - grads_ref[name]).abs().max() < TOLERANCE[level], f"{family} grad of {name}"
+
+
+@pytest.mark.parametrize("level", ["mixer", "model"])
+def test_context_parallel_equals_one_rank(level):
+    run_distributed(cp_equals_cp1, level)
