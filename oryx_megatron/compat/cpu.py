@@ -11,12 +11,12 @@ megatron-core hard-codes CUDA in a few places that the model path reaches
    ``torch.cuda.current_stream()`` (DDP's grad sync from megatron-core 0.19 waits on it every
    step) -> the CPU stream (``torch.cpu.current_stream()``: its waits are no-ops).
 4. The optimizer, DDP and grad clipping create tensors with ``device='cuda'``, call
-   ``.cuda()`` and assert ``grad.type() == 'torch.cuda.FloatTensor'``: ``cuda_to_cpu()`` is
-   a TorchFunctionMode that maps those to the CPU; the training step runs inside it (a
-   no-op context with CUDA).
+   ``.cuda()`` and assert ``grad.type() == 'torch.cuda.FloatTensor'``, and context-parallel rotary
+   asks for ``pin_memory=True``: ``cuda_to_cpu()`` is a TorchFunctionMode that maps those to the CPU;
+   the training step runs inside it (a no-op context with CUDA).
 
 Every model config built here also turns the CUDA-only fusions off
-(``oryx_megatron.config.cpu_friendly_defaults``); set ``TORCHDYNAMO_DISABLE=1``
+(``oryx_megatron.layers.config.cpu_friendly_defaults``); set ``TORCHDYNAMO_DISABLE=1``
 on CPU (the Makefile does) so megatron's ``jit_fuser`` does not compile. Norms are plain
 ``torch.nn.RMSNorm`` (``oryx_megatron.layers.norms``), since megatron's
 ``WrappedTorchNorm`` refuses sequence parallelism.
@@ -63,6 +63,8 @@ class _CudaToCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # no pinned memory without an accelerator (context parallel rotary)
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 

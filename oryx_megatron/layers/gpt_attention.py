@@ -24,6 +24,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
 
+from oryx_megatron.mixer import ContextParallel
+
 
 class CausalSDPAttention(MegatronModule):
     """Causal softmax attention over the whole sequence (training and full-sequence forward).
@@ -31,8 +33,11 @@ class CausalSDPAttention(MegatronModule):
     The scores are scaled by ``softmax_scale`` (1/sqrt(kv_channels) by default) as megatron's
     DotProductAttention scales them (its ``apply_query_key_layer_scaling`` divides and multiplies
     back by the layer number: the same net scale). Grouped-query keys and values are repeated
-    per query head as megatron repeats them. Unsupported there and here: context parallelism,
-    packed sequences (PackedSeqParams; a document mask as attention_mask is taken), attention bias; not offered here: sliding windows and softmax variants.
+    per query head as megatron repeats them. Context parallelism by head all-to-all, as the Oryx mixer's
+    (``oryx_megatron.mixer.context_parallel``; megatron's local DotProductAttention has none): this rank's
+    tokens of every head in, the whole sequence of this rank's heads attended, back out. Unsupported there and
+    here: packed sequences (PackedSeqParams; a document mask as attention_mask is taken), attention bias; not
+    offered here: sliding windows and softmax variants.
     """
 
     def __init__(
@@ -49,12 +54,13 @@ class CausalSDPAttention(MegatronModule):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"CausalSDPAttention: attn_mask_type={attn_mask_type}, expected causal")
-        if config.context_parallel_size != 1 or config.window_size is not None or config.softmax_type != "vanilla":
+        if config.window_size is not None or config.softmax_type != "vanilla":
             raise ValueError(
-                "CausalSDPAttention supports context_parallel_size=1, window_size=None and "
-                f"softmax_type='vanilla', got {config.context_parallel_size}, {config.window_size!r}, "
-                f"{config.softmax_type!r}"
+                "CausalSDPAttention supports window_size=None and softmax_type='vanilla', got "
+                f"{config.window_size!r}, {config.softmax_type!r}"
             )
+        cp_group = parallel_state.get_context_parallel_group()
+        self.cp = ContextParallel(cp_group if cp_group.size() > 1 else None)  # the Oryx mixer's all-to-all
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         tp_size = (
@@ -93,7 +99,8 @@ class CausalSDPAttention(MegatronModule):
         if repeats > 1:
             key = key.repeat_interleave(repeats, dim=2)
             value = value.repeat_interleave(repeats, dim=2)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
+        # [s / cp, b, np, hn] of this rank's tokens -> [b, np / cp, s, hn]: every token, this rank's heads
+        q, k, v = (self.cp.to_heads(t.transpose(0, 1)).transpose(1, 2) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         forked_rng = dropout_p > 0.0 and not self.config.sequence_parallel  # as DotProductAttention
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked_rng else nullcontext():
@@ -102,4 +109,5 @@ class CausalSDPAttention(MegatronModule):
                 is_causal=attention_mask is None, scale=self.softmax_scale,
             )
         sq, b = query.shape[:2]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+        context = self.cp.to_sequence(context.transpose(1, 2))  # [b, s / cp, np, hn]
+        return context.transpose(0, 1).reshape(sq, b, self.hidden_size_per_partition)
