@@ -4,6 +4,8 @@ gradient (summed over the context-parallel ranks, as megatron's DDP reduces them
 random modes (the block-sparse attention), packed documents; TP=2 x CP=2 (4 gloo processes) equals TP=1.
 fp64 but for the model's loss (megatron's vocab-parallel cross entropy computes in fp32)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from tests.distributed import run_distributed
 from tests.helpers import build_mixer, tiny_args
+from tests.test_tensor_parallel import load, save
 
 B, S, HIDDEN, VOCAB = 2, 32, 64, 97  # S divides by 2 x CP for CP = 2 (and 4)
 FAMILIES = ["oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer"]
@@ -76,29 +79,48 @@ def summed_grads(module):
     return grads
 
 
-def cp_equals_cp1(level: str, families=FAMILIES, tp: int = 1, cp: int = 2):
+def cp_equals_cp1(tmp: str, level: str, families=FAMILIES, tp: int = 1, cp: int = 2, sp: bool = False):
+    """CP=cp (x TP=tp) equals one rank: the weights travel from one rank through a distributed checkpoint, the
+    CP-summed gradients back the same way (saved at TP=tp in place of the weights, loaded at TP=1)."""
     step = mixer_step if level == "mixer" else model_step
     for family in families if level == "model" else [f for f in families if f != "transformer"]:
+        case = Path(tmp) / family
         initialize_parallel(tensor_model_parallel_size=1)
         ref = build(level, family)
         out_ref, dx_ref = step(ref)
         grads_ref = {n: p.grad for n, p in ref.named_parameters()}
+        save(ref, case / "weights")
 
         initialize_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-        split = build(level, family, tensor_model_parallel_size=tp, context_parallel_size=cp)
+        split = build(level, family, tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
+        load(split, case / "weights")
         if family != "transformer":
             mixer = split if level == "mixer" else split.decoder.layers[0].mixer
             assert mixer.shard.cp.size == cp and mixer.layout == ref_layout(ref, level)
-        if tp == 1:
-            out, dx = step(split)
-            dim = 0 if level == "mixer" else 1
-            assert (out - this_rank_tokens(out_ref, dim)).abs().max() < TOLERANCE[level], f"{family} output"
-            if dx is not None:
-                assert (dx - this_rank_tokens(dx_ref, 0)).abs().max() < TOLERANCE[level], f"{family} input grad"
+        out, dx = step(split)
+        dim = 0 if level == "mixer" else 1
+        assert (out - this_rank_tokens(out_ref, dim)).abs().max() < TOLERANCE[level], f"{family} output"
+        if dx is not None:
+            assert (dx - this_rank_tokens(dx_ref, 0)).abs().max() < TOLERANCE[level], f"{family} input grad"
+        with torch.no_grad():
             for name, grad in summed_grads(split).items():
-                assert (grad - grads_ref[name]).abs().max() < TOLERANCE[level], f"{family} grad of {name}"
+                dict(split.named_parameters())[name].copy_(grad)
+        save(split, case / "grads")
+
+        initialize_parallel(tensor_model_parallel_size=1)
+        back = build(level, family)
+        load(back, case / "grads")
+        for name, p in back.named_parameters():
+            assert (p - grads_ref[name]).abs().max() < TOLERANCE[level], f"{family} grad of {name}"
 
 
 @pytest.mark.parametrize("level", ["mixer", "model"])
-def test_context_parallel_equals_one_rank(level):
-    run_distributed(cp_equals_cp1, level)
+def test_context_parallel_equals_one_rank(tmp_path, level):
+    run_distributed(cp_equals_cp1, str(tmp_path), level)
+
+
+@pytest.mark.parametrize("level,sp", [("mixer", False), ("model", True)])
+def test_tensor_and_context_parallel_equal_one_rank(tmp_path, level, sp):
+    """TP=2 x CP=2 (the model with sequence parallelism): 4 processes, one head per rank of the tiny models."""
+    run_distributed(cp_equals_cp1, str(tmp_path), level, ["oryx_tg", "oryx_tm", "transformer"], 2, 2, sp,
+                    world_size=4)
