@@ -71,10 +71,14 @@ def ref_layout(ref, level):
 
 
 def summed_grads(module):
+    """Every parameter's gradient summed over the context-parallel ranks (and, for the norms of sequence
+    parallelism, over the tensor-parallel ranks), as megatron's DDP and finalize_model_grads sum them."""
     grads = {}
     for name, p in module.named_parameters():
         g = p.grad.clone()
         dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(g, group=parallel_state.get_tensor_model_parallel_group())
         grads[name] = g
     return grads
 
