@@ -107,3 +107,20 @@ def test_generation_after_an_eod_in_the_prompt_reads_only_the_new_document(specu
     assert got.tokens[0] == want.tokens[0]
     assert (got.logits[0] - want.logits[0]).abs().max() < 1e-9
     assert (run([with_eod]).logits[0] - want.logits[0]).abs().max() > 1e-6  # without the reset: other logits
+
+
+@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
+def test_a_chunked_prefill_generates_what_one_prefill_does(family):
+    """generate(prefill_chunk=N): the prompt through the caches N tokens at a time, an EOD ending one chunk
+    (position 7, chunk 4: the next document starts a chunk) or inside one (position 17): the same logits."""
+    from oryx_megatron.inference import generate
+
+    model, args = tiny(family)
+    eod, g = 5, torch.Generator().manual_seed(6)
+    words = lambda n: (torch.randint(6, args.vocab_size, (n,), generator=g)).tolist()  # noqa: E731
+    prompt = words(7) + [eod] + words(9) + [eod] + words(6)
+    schedule = "random_chunks chunk_size=3 p_attention=0.5"
+    whole = generate(model, [prompt], schedule, 6, output_logits=True, reset_at_eod=eod)
+    for chunk in (4, 5):
+        chunked = generate(model, [prompt], schedule, 6, output_logits=True, reset_at_eod=eod, prefill_chunk=chunk)
+        assert chunked.tokens == whole.tokens and (chunked.logits[0] - whole.logits[0]).abs().max() < 1e-9

@@ -208,6 +208,7 @@ def generate(
     kv_cache: bool = True,
     cuda_graphs: Optional[bool] = None,
     reset_at_eod: Optional[int] = None,
+    prefill_chunk: Optional[int] = None,
 ) -> GenerationResult:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -217,8 +218,10 @@ def generate(
     must read linear everywhere). cuda_graphs: replay the one-token steps from CUDA graphs
     (None: on CUDA devices). reset_at_eod: the EOD id of a model trained with data.reset_at_eod:
     after each EOD token (in the prompt or generated) every state restarts and attention reads
-    only the new document, as in training. The model runs in eval mode, then gets its training
-    flag back.
+    only the new document, as in training. prefill_chunk: prefill this many tokens at a time, each
+    continuing the caches (None: the whole prefill at once): at any prompt length the activations stay
+    those of one chunk, the KV cache holding every token (long contexts; the logits do not change). The
+    model runs in eval mode, then gets its training flag back.
     """
     device, dtype = check_model(model)
     graphs = use_cuda_graphs(cuda_graphs, device)
@@ -233,7 +236,7 @@ def generate(
         decisions = ChunkDecisions(model, batch.schedule, b, device) if routed else None
         cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache)
         prefill_seconds, decode_seconds, capture_seconds = _decode(model, batch, sequences, cache, graphs,
-                                                                   reset_at_eod, decisions)
+                                                                   reset_at_eod, decisions, prefill_chunk)
 
     counts = {m.name.lower(): int(n) for m, n in zip(Mode, sequences.fed)}
     stats = GenerationStats(
@@ -250,19 +253,17 @@ def generate(
 
 
 def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs: bool, eod_id: Optional[int],
-            decisions: Optional[ChunkDecisions]):
+            decisions: Optional[ChunkDecisions], prefill_chunk: Optional[int]):
     """Prefill, then one-token steps until every sequence is done: (prefill, decode, graph capture) seconds.
     With ``decisions`` (a router schedule) the chunks up to the prefill's end are decided from one routing
     pass over the prefill, each later one at its first position, from that token (``OryxModel.route_step``)."""
     device, t0 = batch.tokens.device, batch.prefill_len
     start = time.perf_counter()
     prompt = batch.tokens[:, :t0]
-    documents = prompt_documents(prompt, eod_id)
     if decisions is not None:
-        batch.set_chunk_modes(0, decisions(model.route(prompt, decisions.chunk_size, documents)),
-                              decisions.chunk_size)
-    logits = cached_logits(model, prompt, batch.mode_arg(0, t0), cache, last_only=True,
-                           document_ids=documents)[:, -1]  # [b, V]
+        logits = model.route(prompt, decisions.chunk_size, prompt_documents(prompt, eod_id))  # [b, chunks]
+        batch.set_chunk_modes(0, decisions(logits), decisions.chunk_size)
+    logits = _prefill(model, batch, cache, eod_id, prefill_chunk or t0)  # [b, V]
     sequences.count_fed(0, t0)
     prefill_seconds, start = elapsed(start, device), time.perf_counter()
     step = decode_step(model, cache, cuda_graphs)
@@ -280,6 +281,20 @@ def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs
         pos += 1
     capture = getattr(step, "capture_seconds", 0.0)
     return prefill_seconds, elapsed(start, device) - capture, capture
+
+
+def _prefill(model, batch: RaggedBatch, cache, eod_id: Optional[int], chunk: int) -> Tensor:
+    """The first ``prefill_len`` positions of every prompt through the caches, ``chunk`` at a time (each chunk
+    continues the caches, its documents restarted after an EOD that ended the chunk before): the logits [b, V]
+    of the last position."""
+    for start in range(0, batch.prefill_len, chunk):
+        end = min(start + chunk, batch.prefill_len)
+        if start:
+            reset_documents(cache, batch.tokens[:, start - 1], eod_id)
+        ids = batch.tokens[:, start:end]
+        logits = cached_logits(model, ids, batch.mode_arg(start, end), cache, last_only=True,
+                               document_ids=prompt_documents(ids, eod_id))
+    return logits[:, -1]
 
 
 def cache_bytes(caches) -> Dict[str, int]:
