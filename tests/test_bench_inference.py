@@ -1,26 +1,16 @@
-"""tools/bench/bench_inference.py: a CPU toy run prints the table with every schedule row and writes its JSON."""
+"""benchmarks/bench_inference.py: a CPU toy run prints the table with every schedule row and writes its JSON."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_inference as bench
+
 pytestmark = pytest.mark.usefixtures("single_process_parallel", "one_thread")
-
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "bench" / "bench_inference.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_inference", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_cpu_toy_run_prints_every_schedule_row(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    bench = load_bench()
     assert bench.main(["--device", "cpu", "--contexts", "32", "64", "--batches", "1", "2", "--new-tokens", "4",
                        "--repeats", "1", "--json", str(out)]) == 0
     table = capsys.readouterr().out.splitlines()
@@ -39,7 +29,6 @@ def test_cpu_toy_run_prints_every_schedule_row(tmp_path, capsys):
 
 
 def test_a_checkpoint_is_benchmarked_with_its_trained_weights(tiny_checkpoint, capsys):
-    bench = load_bench()
     assert bench.main(["--device", "cpu", "--checkpoint", tiny_checkpoint, "--contexts", "16", "--batches", "1",
                        "--new-tokens", "4", "--repeats", "1"]) == 0
     header = capsys.readouterr().out.splitlines()[0]

@@ -106,11 +106,11 @@ def _dotted(node) -> str:
 
 
 def megatron_version_reads(root: Path = ROOT):
-    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/, tools/
-    and data_prep/: its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an
+    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/,
+    benchmarks/ and data_prep/: its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an
     import) or its distribution's name (``importlib.metadata.version("megatron-core")``)."""
     found = []
-    for path in sorted(p for part in ("oryx_megatron", "tools", "data_prep") for p in (root / part).rglob("*.py")):
+    for path in sorted(p for part in ("oryx_megatron", "benchmarks", "data_prep") for p in (root / part).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel in VERSION_READERS:
             continue
@@ -145,7 +145,7 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         "oryx_megatron/models/probe.py": "import megatron.core\nv = megatron.core.__version__\n",
         "oryx_megatron/training/probe.py": "from megatron.core import package_info\nimport megatron.core as mc\n"
                                            "v = mc.__version__\n",
-        "tools/bench/probe.py": "import importlib.metadata\nv = importlib.metadata.version('Megatron-Core')\n",
+        "benchmarks/probe.py": "import importlib.metadata\nv = importlib.metadata.version('Megatron-Core')\n",
         "data_prep/probe.py": "from megatron.core.package_info import __version__\nimport megatron.core.package_info\n",
         "oryx_megatron/ops/probe.py": '"""Runs on megatron-core."""\nimport megatron.core.tensor_parallel\nx = t.__version__\n',
         "oryx_megatron/compat/megatron.py": "import megatron.core\nv = megatron.core.__version__\n",
@@ -154,9 +154,8 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert megatron_version_reads(tmp_path) == [f"{where} reads megatron-core's version" for where in (
-        "data_prep/probe.py:1", "data_prep/probe.py:2", "oryx_megatron/models/probe.py:2",
-        "oryx_megatron/training/probe.py:1", "oryx_megatron/training/probe.py:3",
-        "tools/bench/probe.py:2")]
+        "benchmarks/probe.py:2", "data_prep/probe.py:1", "data_prep/probe.py:2",
+        "oryx_megatron/models/probe.py:2", "oryx_megatron/training/probe.py:1", "oryx_megatron/training/probe.py:3")]
 
 
 def _threads() -> int:

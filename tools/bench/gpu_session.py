@@ -60,8 +60,8 @@ class Stage:
 
 def stages(toy: bool) -> List[Stage]:
     check = ("-m", "oryx_megatron.tools.gpu_check") + (("--toy",) if toy else ())
-    train_step = ("tools/bench/bench_train_step.py",)
-    inference = ("tools/bench/bench_inference.py",)
+    train_step = ("benchmarks/bench_train_step.py",)
+    inference = ("benchmarks/bench_inference.py",)
     if toy:  # every stage and code path, at the smallest sizes (seconds each, most of it imports)
         step_sizes = ("--model-size", "tiny", "--layers", "1", "--seq", "64", "--micro-batch", "1", "--warmup", "1",
                       "--repeats", "1")

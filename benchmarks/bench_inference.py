@@ -1,7 +1,7 @@
 """Generation speed of a recipe's model (random weights) or a checkpoint's per schedule, context
 length and batch.
 
-    .venv/bin/python tools/bench/bench_inference.py [--model tiny_oryx_tg | --checkpoint DIR] \\
+    .venv/bin/python benchmarks/bench_inference.py [--model tiny_oryx_tg | --checkpoint DIR] \\
         [--contexts 256 1024] [--batches 1 4] [--new-tokens 16] [--speculative 4] [--json out.json]
 
 For every (context, batch): all_attention (the baseline), all_linear, "prefill=linear

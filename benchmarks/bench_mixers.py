@@ -1,6 +1,6 @@
 """Forward+backward time of one MultiMixer layer per mixer configuration and sequence length.
 
-    .venv/bin/python tools/bench/bench_mixers.py [--hidden 256 --heads 4 --seq 512 1024 2048]
+    .venv/bin/python benchmarks/bench_mixers.py [--hidden 256 --heads 4 --seq 512 1024 2048]
 
 Prints a table of milliseconds per call and the ratio against the attention-only layer
 measured in the same run (the baseline). Kernels: whatever `kernel_backend=auto` picks here.
