@@ -70,7 +70,7 @@ experiments-large: venv
 # The GPU check (docs/gpu.md): kernels, model, training, performance -> runs/gpu_check/report.{json,md}.
 # Without CUDA a CPU dry run. Extra flags: make gpu-check ARGS="--toy --out /tmp/gc"; bare GPU machine: PY=python3.
 gpu-check:
-	$(PY) -m oryx_megatron.tools.gpu_check $(ARGS)
+	$(PY) -m oryx_megatron.cli.gpu_check $(ARGS)
 
 # fla's and mamba-ssm's real Triton kernels under Triton's interpreter on CPU, through ops/cuda.py,
 # against the torch ops (docs/gpu.md, "Kernels on CPU"). Run it before any change to oryx_megatron/ops/.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from oryx_megatron.tools.chaos_train import compare_checkpoints
+from oryx_megatron.checks.chaos.compare import compare_checkpoints
 from oryx_megatron.train import pretrain
 from oryx_megatron.training import checkpointing
 from oryx_megatron.training.config import ConfigError

@@ -9,7 +9,7 @@ import tarfile
 import time
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "bench" / "gpu_session.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "oryx_megatron" / "checks" / "session" / "driver.py"
 STAGES = ["parity", "train_step", "inference", "training", "train_reset", "train_1_4b"]
 MAX_FILES = 6  # what the GPU machine's run brings back: at most 8 files, so a budget of 6, no folders
 

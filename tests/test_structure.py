@@ -11,7 +11,8 @@ from tests.distributed import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 # What each part of the library may import (besides itself and third-party packages):
-# ops <- layers <- models <- {training, inference} <- {eval, hf} <- tools; data depends on nothing above it.
+# ops <- layers <- models <- {training, inference} <- {eval, hf} <- tools <- checks <- cli; data depends on nothing
+# above it.
 FOUNDATION = {"config", "compat", "launch", "parallel"}
 ALLOWED = {
     "ops": set(),
@@ -29,6 +30,11 @@ ALLOWED = {
     # Hugging Face interop: plain torch modules on the ops (no layers), conversion through models and training
     "hf": {"inference", "training", "models", "ops", "data"} | FOUNDATION,
     "tools": {"hf", "eval", "inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
+    # check harnesses (out of the runtime path: nothing imports them but the CLI) and the console scripts
+    "checks": {"tools", "hf", "eval", "inference", "train", "training", "models", "layers", "ops", "data"}
+              | FOUNDATION,
+    "cli": {"checks", "tools", "hf", "eval", "inference", "train", "training", "models", "layers", "ops", "data"}
+           | FOUNDATION,
 }
 
 
@@ -92,8 +98,9 @@ def test_the_import_check_sees_upward_imports(tmp_path):
 
 
 # Where megatron-core's version may be read: the compatibility module (which detects features instead), and the
-# GPU check's header, which reports every package's installed version and decides nothing by it.
-VERSION_READERS = {"oryx_megatron/compat/megatron.py", "oryx_megatron/tools/gpu_check.py"}
+# checks' provenance (the GPU check's and the GPU session's headers), which reports every package's installed
+# version and decides nothing by it.
+VERSION_READERS = {"oryx_megatron/compat/megatron.py", "oryx_megatron/checks/provenance.py"}
 _VERSION_ATTRIBUTES = {"__version__", "__shortversion__", "package_info"}
 _DISTRIBUTION_NAMES = {"megatron-core", "megatron_core"}  # what a package-metadata look-up names
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEADLINE_S = {"full": 480, "toy": 1200}  # the whole session; the toy rehearsal runs on a loaded CPU
 GRACE_S = 10  # between SIGTERM and SIGKILL
 MIN_STAGE_S = 30  # a stage with less time left is not started
@@ -59,7 +59,7 @@ class Stage:
 
 
 def stages(toy: bool) -> List[Stage]:
-    check = ("-m", "oryx_megatron.tools.gpu_check") + (("--toy",) if toy else ())
+    check = ("-m", "oryx_megatron.cli.gpu_check") + (("--toy",) if toy else ())
     train_step = ("benchmarks/bench_train_step.py",)
     inference = ("benchmarks/bench_inference.py",)
     if toy:  # every stage and code path, at the smallest sizes (seconds each, most of it imports)
@@ -81,7 +81,7 @@ def stages(toy: bool) -> List[Stage]:
                                                             "{work}/train_step.json"), "train_step.json"),
         Stage("inference", 100, inference + infer_sizes + ("--speculative", "4", "--json", "{work}/inference.json"),
               "inference.json"),
-        Stage("training", 80, check + ("--sections", "training", "performance", "--families", *families,
+        Stage("training", 80, check + ("--sections", "training", "--families", *families,
                                        "--out", "{work}/training"), "training/report.json"),
         Stage("train_reset", 60, train_step + step_sizes + ("--families", "oryx_tg", "oryx_tm", "--p-attention", "0.5",
                                                             "--reset-at-eod", "--json", "{work}/train_reset.json"),
@@ -114,17 +114,15 @@ def run_stage(argv: List[str], log: Path, limit_s: float, env: dict) -> Tuple[in
 def header(toy: bool) -> dict:
     import torch
 
-    from oryx_megatron.tools.gpu_check import VERSIONS, package_version, source_version
-    from oryx_megatron.training.metrics import git_commit
+    from oryx_megatron.checks import provenance
 
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (rehearsal)",
         "toy": toy,
         "python": sys.version.split()[0],
-        "git_commit": source_version(git_commit()),
-        "versions": {name: torch.__version__ if name == "torch" else package_version(*where)
-                     for name, where in VERSIONS.items()},
+        "source": provenance.source(),
+        "versions": provenance.versions(),
     }
 
 
