@@ -78,14 +78,15 @@ class GraphedDecodeStep:
             self.graphs.clear()
         key = (ids.shape[0], modes if isinstance(modes, Mode) else "mixed")
         if key not in self.graphs:
-            start = time.perf_counter()
+            start, saved = time.perf_counter(), snapshot(self.caches)
             try:
                 torch.cuda.synchronize()
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
                 self.graphs[key] = self._capture(ids, modes)
                 torch.cuda.synchronize()
-            except Exception as e:  # decode on, eagerly: the caches are as before the capture
+            except Exception as e:  # decode on, eagerly, from the caches as they were before the capture
+                restore(self.caches, saved)
                 self.capture_error = f"{type(e).__name__}: {e}"
                 logger.warning("CUDA-graph capture failed, decoding eagerly from here on: %s", self.capture_error)
                 return self.eager(ids, modes)
@@ -107,17 +108,15 @@ class GraphedDecodeStep:
             return cached_logits(self.model, static_ids, static_modes, self.caches)[:, -1]
 
         saved = snapshot(self.caches)
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    step()
-                    restore(self.caches, saved)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = step()
-        finally:  # capture ran no kernel but advanced seqlen host-side; a failed one may have run a step
-            restore(self.caches, saved)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                step()
+                restore(self.caches, saved)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        restore(self.caches, saved)  # capture ran no kernel but advanced seqlen host-side
         return _Captured(graph, static_ids, static_modes, logits)
