@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from oryx_megatron.checks import provenance
 from oryx_megatron.checks.session import driver, outputs, plan, probes
 from oryx_megatron.checks.session.runner import run_stage
 
@@ -198,3 +199,14 @@ def test_a_crash_rehearsal_needs_toy(capsys):
     with pytest.raises(SystemExit):
         driver.parse_args(["--out", "/tmp/x", "--rehearse-probe-crash", CRASHED])
     assert "--rehearse-probe-crash is a rehearsal: only with --toy" in capsys.readouterr().err
+
+
+def test_the_commit_comes_from_the_stamp_where_git_is_not(tmp_path, monkeypatch):
+    """.git may not travel to the GPU machine: the commit stamped on the CPU side before the call is read."""
+    stamp = tmp_path / "source.json"
+    written = provenance.write_stamp(stamp)
+    assert written["commit"] == provenance.git_source()["commit"] and "stamped_at" in written
+    monkeypatch.setattr(provenance, "git_source", lambda: None)  # as on a machine without .git
+    assert provenance.source(stamp) == {**written, "from": str(stamp)}
+    assert provenance.source(tmp_path / "none.json")["commit"] is None
+    assert "make gpu-stamp" in provenance.source(tmp_path / "none.json")["from"]

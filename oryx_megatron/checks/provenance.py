@@ -78,10 +78,9 @@ def source(stamp: Path = STAMP) -> dict:
     if found is not None:
         return {**found, "from": "git"}
     try:
-        return {**json.loads(stamp.read_text()), "from": str(stamp.relative_to(ROOT))}
+        return {**json.loads(stamp.read_text()), "from": str(stamp)}
     except (OSError, ValueError):
-        return {"commit": None, "from": f"unknown: no .git and no {stamp.relative_to(ROOT)} "
-                                        "(python -m oryx_megatron.checks.provenance before the call)"}
+        return {"commit": None, "from": f"unknown: no .git and no {stamp} (make gpu-stamp before the call)"}
 
 
 def write_stamp(stamp: Path = STAMP) -> dict:
