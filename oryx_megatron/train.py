@@ -36,6 +36,7 @@ from oryx_megatron.compat.cpu import cuda_to_cpu
 from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import build_mode_schedule
 from oryx_megatron.launch import REQUEUE_EXIT_CODE, exit_for_requeue
+from oryx_megatron.models import flops
 from oryx_megatron.parallel import current_device, initialize_parallel
 from oryx_megatron import checkpoint
 from oryx_megatron.training import checkpointing
@@ -48,7 +49,7 @@ from oryx_megatron.training.builders import (
 )
 from oryx_megatron.run_config import ConfigError, TrainConfig, load_train_config, train_iters
 from oryx_megatron.training.validation import validate_run
-from oryx_megatron.training.metrics import MetricsLogger, flops_per_token, memory_gb
+from oryx_megatron.training.metrics import MetricsLogger, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
 from oryx_megatron.training.router import RouterTrainer
 
@@ -148,9 +149,7 @@ class Trainer:
         self.iteration, self.total_iters = 0, train_iters(run)
         num_params = sum(p.numel() for chunk in self.model for p in chunk.parameters())
         self.tokens_per_iter = run.train.global_batch_size * run.data.seq_length
-        self.flops_per_iter = self.tokens_per_iter * flops_per_token(
-            self.config, run.data.seq_length, _total_params(num_params), run.model.vocab_size,
-            run.model.share_embeddings_and_output_weights)
+        self.matmul_params = _total_params(sum(flops.matmul_params(chunk) for chunk in self.model))
         self.metrics = MetricsLogger(self.is_logging_rank, run.logging, Path(self.output_dir),
                                      OmegaConf.to_container(OmegaConf.structured(run)))
         self.run_yaml = OmegaConf.to_yaml(OmegaConf.structured(run))  # saved with every checkpoint
@@ -272,14 +271,17 @@ class Trainer:
         """Means over the steps since the last log line: losses, grad norm, LR, throughput, memory."""
         elapsed, world = interval.seconds_per_step(), dist.get_world_size()
         report = _loss_metrics(interval.loss_sums, "train") if interval.grad_norms else {}  # all skipped: no loss
+        step_flops = flops.train_step_flops(flops.step_shape(  # the attention term: the fraction of tokens read
+            self.config, self.matmul_params, self.run.data.seq_length, self.run.train.global_batch_size,
+            read_fraction=report.get("train/attention_fraction", 1.0)))
         report.update({
             "train/grad_norm": interval.mean_grad_norm(),
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "train/skipped_steps": interval.skipped,
             "train/loss_spikes": interval.spikes,
             "perf/tokens_per_s": self.tokens_per_iter / elapsed,
-            "perf/tflops": self.flops_per_iter / elapsed / world / 1e12,
-            "perf/mfu": self.flops_per_iter / elapsed / world / (self.run.logging.peak_tflops * 1e12),
+            "perf/tflops": step_flops / elapsed / world / 1e12,
+            "perf/mfu": step_flops / elapsed / world / (self.run.logging.peak_tflops * 1e12),
             "perf/memory_gb": memory_gb(),
         })
         if self.run.router.mode == "joint":

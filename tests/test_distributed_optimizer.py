@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from oryx_megatron.checks.chaos.compare import compare_checkpoints
 from oryx_megatron.run_config import ConfigError
-from oryx_megatron.tools.chaos_train import compare_checkpoints
 from oryx_megatron.train import pretrain
 from oryx_megatron.training import checkpointing
 from tests.distributed import run_distributed

@@ -36,6 +36,9 @@ ALLOWED = {
     "eval": {"inference", "training", "train", "models"} | BELOW_MODELS,
     "interop": {"hf", "inference", "training", "models"} | BELOW_MODELS,
     "tools": {"interop", "hf", "eval", "inference", "train", "training", "models"} | BELOW_MODELS,
+    # check harnesses (out of the runtime path: nothing imports them but the CLI) and the console scripts
+    "checks": {"tools", "interop", "hf", "eval", "inference", "train", "training", "models"} | BELOW_MODELS,
+    "cli": {"checks", "tools", "interop", "hf", "eval", "inference", "train", "training", "models"} | BELOW_MODELS,
 }
 
 
@@ -116,8 +119,9 @@ def test_the_hugging_face_front_end_holds_no_mixing_math():
             for line, module in _imports(path, "oryx_megatron.hf") if module.startswith("oryx_megatron.ops")] == []
 
 # Where megatron-core's version may be read: the compatibility module (which detects features instead), and the
-# GPU check's header, which reports every package's installed version and decides nothing by it.
-VERSION_READERS = {"oryx_megatron/compat/megatron.py", "oryx_megatron/tools/gpu_check.py"}
+# checks' provenance (the GPU check's and the GPU session's headers), which reports every package's installed
+# version and decides nothing by it.
+VERSION_READERS = {"oryx_megatron/compat/megatron.py", "oryx_megatron/checks/provenance.py"}
 _VERSION_ATTRIBUTES = {"__version__", "__shortversion__", "package_info"}
 _DISTRIBUTION_NAMES = {"megatron-core", "megatron_core"}  # what a package-metadata look-up names
 
@@ -130,11 +134,11 @@ def _dotted(node) -> str:
 
 
 def megatron_version_reads(root: Path = ROOT):
-    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/, tools/
-    and data_prep/: its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an
+    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/,
+    benchmarks/ and data_prep/: its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an
     import) or its distribution's name (``importlib.metadata.version("megatron-core")``)."""
     found = []
-    for path in sorted(p for part in ("oryx_megatron", "tools", "data_prep") for p in (root / part).rglob("*.py")):
+    for path in sorted(p for part in ("oryx_megatron", "benchmarks", "data_prep") for p in (root / part).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel in VERSION_READERS:
             continue
@@ -169,7 +173,7 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         "oryx_megatron/models/probe.py": "import megatron.core\nv = megatron.core.__version__\n",
         "oryx_megatron/training/probe.py": "from megatron.core import package_info\nimport megatron.core as mc\n"
                                            "v = mc.__version__\n",
-        "tools/bench/probe.py": "import importlib.metadata\nv = importlib.metadata.version('Megatron-Core')\n",
+        "benchmarks/probe.py": "import importlib.metadata\nv = importlib.metadata.version('Megatron-Core')\n",
         "data_prep/probe.py": "from megatron.core.package_info import __version__\nimport megatron.core.package_info\n",
         "oryx_megatron/ops/probe.py": '"""Runs on megatron-core."""\nimport megatron.core.tensor_parallel\nx = t.__version__\n',
         "oryx_megatron/compat/megatron.py": "import megatron.core\nv = megatron.core.__version__\n",
@@ -178,9 +182,8 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert megatron_version_reads(tmp_path) == [f"{where} reads megatron-core's version" for where in (
-        "data_prep/probe.py:1", "data_prep/probe.py:2", "oryx_megatron/models/probe.py:2",
-        "oryx_megatron/training/probe.py:1", "oryx_megatron/training/probe.py:3",
-        "tools/bench/probe.py:2")]
+        "benchmarks/probe.py:2", "data_prep/probe.py:1", "data_prep/probe.py:2",
+        "oryx_megatron/models/probe.py:2", "oryx_megatron/training/probe.py:1", "oryx_megatron/training/probe.py:3")]
 
 
 def _threads() -> int:

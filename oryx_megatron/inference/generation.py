@@ -51,6 +51,7 @@ class GenerationStats:
     decode_seconds: float  # CUDA-graph captures excluded (capture_seconds)
     cache_bytes: Dict[str, int]  # kv / recurrent / conv, all layers, allocated
     capture_seconds: float = 0.0  # capturing the CUDA graphs of the decode steps
+    capture_error: Optional[str] = None  # a capture that raised: the steps after it decoded eagerly
     drafted: int = 0  # speculative decoding: tokens drafted in linear mode
     accepted: int = 0  # ... and accepted by the attention-mode verification
 
@@ -232,8 +233,8 @@ def generate(
     with eval_mode(model):
         decisions = ChunkDecisions(model, batch.schedule, b, device) if routed else None
         cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache)
-        prefill_seconds, decode_seconds, capture_seconds = _decode(model, batch, sequences, cache, graphs,
-                                                                   reset_at_eod, decisions)
+        prefill_seconds, decode_seconds, step = _decode(model, batch, sequences, cache, graphs, reset_at_eod,
+                                                        decisions)
 
     counts = {m.name.lower(): int(n) for m, n in zip(Mode, sequences.fed)}
     stats = GenerationStats(
@@ -243,7 +244,8 @@ def generate(
         decode_tokens=sum(counts.values()) - b * batch.prefill_len,
         decode_seconds=decode_seconds,
         cache_bytes=cache_bytes(cache),
-        capture_seconds=capture_seconds,
+        capture_seconds=getattr(step, "capture_seconds", 0.0),
+        capture_error=getattr(step, "capture_error", None),
     )
     logits_out = [torch.stack(rows) for rows in sequences.logits] if output_logits else None
     return GenerationResult(sequences.tokens, sequences.reasons, stats, logits_out)
@@ -251,7 +253,8 @@ def generate(
 
 def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs: bool, eod_id: Optional[int],
             decisions: Optional[ChunkDecisions]):
-    """Prefill, then one-token steps until every sequence is done: (prefill, decode, graph capture) seconds.
+    """Prefill, then one-token steps until every sequence is done: (prefill seconds, decode seconds, the
+    decode step: its graph capture's seconds and error, if any).
     With ``decisions`` (a router schedule) the chunks up to the prefill's end are decided from one routing
     pass over the prefill, each later one at its first position, from that token (``OryxModel.route_step``)."""
     device, t0 = batch.tokens.device, batch.prefill_len
@@ -278,8 +281,7 @@ def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs
         logits = step(batch.tokens[:, pos : pos + 1], batch.mode_arg(pos, pos + 1))
         sequences.count_fed(pos, pos + 1)
         pos += 1
-    capture = getattr(step, "capture_seconds", 0.0)
-    return prefill_seconds, elapsed(start, device) - capture, capture
+    return prefill_seconds, elapsed(start, device) - getattr(step, "capture_seconds", 0.0), step
 
 
 def cache_bytes(caches) -> Dict[str, int]:

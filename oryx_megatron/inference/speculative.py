@@ -168,6 +168,7 @@ def speculative_generate(
         decode_seconds=decode_seconds,
         cache_bytes=cache_bytes(caches),
         capture_seconds=capture_seconds,
+        capture_error=getattr(step, "capture_error", None),
         drafted=speculator.drafted,
         accepted=speculator.accepted,
     )

@@ -12,16 +12,6 @@ import torch
 logger = logging.getLogger("oryx_megatron.train")
 
 
-def flops_per_token(config, seq_length: int, num_params: int, vocab_size: int, tied: bool) -> float:
-    """Approximate training FLOPs per token: 6 per weight that multiplies (the embedding
-    lookup does not; the output projection does) plus causal attention, 6 * layers * seq *
-    heads * d_k. Both mixers run on every token in the parallel forward, so the attention
-    term counts whatever the modes."""
-    matmul_params = num_params - (0 if tied else vocab_size * config.hidden_size)
-    attention = 6 * config.num_layers * seq_length * config.num_attention_heads * config.kv_channels
-    return 6 * matmul_params + (attention if getattr(config, "has_attention", True) else 0)
-
-
 def memory_gb() -> float:
     """Peak device memory (CUDA) or this process's peak RSS (CPU), in GB."""
     if torch.cuda.is_available():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build causal-conv1d 1.7.0 as a cp312 wheel for the GPU machine we are lent (one H200, sm_90; Python 3.12,
 # torch 2.11.0+cu130, no network), with this machine's nvcc (CUDA 13.0): SASS for sm_90 only, no PTX.
-#   tools/bench/build_causal_conv1d.sh     # -> .gpu/whl/causal_conv1d-1.7.0+cu130torch2.11sm90-cp312-*.whl (9.1 MB)
+#   tools/build_causal_conv1d.sh     # -> .gpu/whl/causal_conv1d-1.7.0+cu130torch2.11sm90-cp312-*.whl (9.1 MB)
 # TORCH312_PY (default /tmp/v312/bin/python): a Python 3.12 with torch 2.11 cu13; only read (--no-build-isolation
 # --no-deps). Measured here, 2 cores shared with other builds (load ~28), nice 19, MAX_JOBS=2: 16.5 min wall,
 # 4.4 min CPU; a rerun compiles only what changed. Upstream's setup.py is patched: its hard-coded -gencode list
@@ -17,7 +17,7 @@ set -euo pipefail
 version=1.7.0
 arch=90   # TORCH_CUDA_ARCH_LIST alone is not enough: torch adds no arch flags when setup.py gives -gencode
 py=${TORCH312_PY:-/tmp/v312/bin/python}
-root=$(cd "$(dirname "$0")/../.." && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
 dest=$root/${1:-.gpu}/whl
 work=${CC1D_WORK:-/tmp/causal-conv1d-build}   # sources and build/ (kept: a rerun compiles only what changed)
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}

@@ -1,9 +1,9 @@
 """Training-step benchmark: every model family at one recipe shape, in one table.
 
     # CPU toy run (fp32, ~15 s on 2 cores)
-    .venv/bin/python tools/bench/bench_train_step.py --model-size tiny --seq 256 --micro-batch 2 --repeats 2
+    .venv/bin/python benchmarks/bench_train_step.py --model-size tiny --seq 256 --micro-batch 2 --repeats 2
     # one H100/H200 (bf16), the issue's shapes
-    python tools/bench/bench_train_step.py --model-size 130m --seq 2048 --micro-batch 8 \\
+    python benchmarks/bench_train_step.py --model-size 130m --seq 2048 --micro-batch 8 \\
         --p-attention 1.0 0.5 0.1 --recompute none selective full --json bench_130m.json
 
 Rows: the Transformer baseline (megatron's GPTModel, local spec with SDPA core attention),
@@ -15,40 +15,19 @@ with ``--reset-at-eod`` each row also on packed documents read each alone (``doc
 log-normal length mix, median seq / 8 tokens: ``packed_documents``; the "docs" column gives the
 documents per sample and "reset vs across" the step time against the same row without resets).
 
-A step is what one training iteration does on one micro-batch: forward with the LM loss
-(mean over tokens), backward, ``torch.optim.AdamW`` step (fused on CUDA) on the model's
-parameters (bf16 on CUDA, fp32 on CPU; no fp32 master copy, unlike megatron's mixed-precision
-optimizer), and zeroing the gradients. Time: median over ``--repeats`` steps after ``--warmup``
-steps, with ``torch.cuda.synchronize`` around each step on CUDA. Memory: ``torch.cuda.max_memory_allocated``
-over warm-up and timed steps (weights, gradients, AdamW state and activations); "n/a" on CPU,
-where the process's peak RSS cannot be attributed to one row. Activations ("act GiB", every
-device): what one forward with the loss allocates and still holds when it ends, i.e. what autograd
-keeps for the backward and recomputation trades for time (CUDA: the allocator's count; CPU:
-torch.profiler's memory events). The ratio column divides a row's step time by the Transformer's
-at the same recompute setting, measured in the same run; "act vs none" and "time vs none"
-compare a recompute row's activations and step time with its ``none`` row's.
+A step is one training iteration on one micro-batch: forward with the LM loss (mean over tokens),
+backward, ``torch.optim.AdamW`` step (fused on CUDA; bf16 parameters on CUDA, fp32 on CPU, no fp32
+master copy) and zeroing the gradients. Time: median over ``--repeats`` steps after ``--warmup``,
+synchronized on CUDA. Memory: ``torch.cuda.max_memory_allocated`` (weights, gradients, AdamW state,
+activations; "n/a" on CPU). "act GiB" (every device): what one forward with the loss still holds when
+it ends, what recomputation trades for time (CUDA: the allocator; CPU: torch.profiler's memory events).
+"vs transformer": step time / the Transformer's at the same recompute setting in the same run; "act
+vs none" and "time vs none": a recompute row against its ``none`` row.
 
-FLOPs of one step (``train_step_flops``; docs/performance.md), per micro-batch of b sequences
-of s tokens, L layers, h heads of d_k (keys, queries) and d_v (values):
-
-    matmul     6 * P * s * b          P = weights of every linear layer, the output layer's included
-                                      (tied: the embedding's), not the embedding lookup, norms,
-                                      convs or per-head scalars; 6 = 2 (mul-add) x 3 (fwd + 2 bwd)
-    attention  3 * s^2 * h * (d_k + d_v) * L * b * f
-                                      = 2 (mul-add) x 3 (fwd + 2 bwd) x s^2/2 (causal half) x h x
-                                      (d_k for QK^T + d_v for PV); f = fraction of query positions
-                                      that read attention (1 for the Transformer and the
-                                      attention-only stack, the drawn modes' for Oryx, 0 for
-                                      Mamba-2 / GDN)
-    scan       12 * s * h * d_k * d_v * L * b   for a linear mixer (every token: both memories
-                                      absorb every token) = 2 (state update k v^T and read q^T S)
-                                      x 2 (mul-add) x 3 (fwd + 2 bwd) x d_k x d_v per head and token
-
-MFU = FLOPs / step time / (``--peak-tflops`` * 1e12); the default peak is 989 TFLOP/s (H100 /
-H200 dense bf16) when the CUDA device's name says H100 or H200, otherwise MFU is "n/a" unless
-``--peak-tflops`` is given. Oryx attention counts only the query positions that read it; the layer computes
-whole 128-position query blocks that hold a reader, so a partly read block is credited less
-than it runs.
+FLOPs of one step: ``oryx_megatron.models.flops`` (the training log's MFU counts the same; its
+docstring has the formula and docs/performance.md the reasons). MFU = FLOPs / step time /
+(``--peak-tflops`` * 1e12); the default peak is 989 TFLOP/s (H100 / H200 dense bf16) when the CUDA
+device's name says H100 or H200, otherwise MFU is "n/a" unless ``--peak-tflops`` is given.
 """
 
 import argparse
@@ -61,12 +40,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from tqdm import tqdm
 
 from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import RandomChunks
 from oryx_megatron.config import FAMILY_MIXERS, ModelArgs
+from oryx_megatron.models import flops
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import current_device, destroy_parallel, initialize_parallel
 from oryx_megatron.tools.params import load_model_args
@@ -104,61 +83,6 @@ VARIANTS = (
     Variant("gdn", "gdn"),
 )
 BASELINE = VARIANTS[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    """What the FLOPs of one training step depend on."""
-
-    matmul_params: int  # see matmul_params()
-    num_layers: int
-    heads: int
-    d_k: int
-    d_v: int
-    seq: int
-    micro_batch: int
-    attention_fraction: float  # of query positions that read attention
-    linear_scan: bool  # a linear mixer scans every token
-
-
-def matmul_flops(shape: StepShape) -> int:
-    return 6 * shape.matmul_params * shape.seq * shape.micro_batch
-
-
-def attention_flops(shape: StepShape) -> int:
-    per_sequence_layer = 3 * shape.seq**2 * shape.heads * (shape.d_k + shape.d_v)
-    return round(per_sequence_layer * shape.num_layers * shape.micro_batch * shape.attention_fraction)
-
-
-def scan_flops(shape: StepShape) -> int:
-    if not shape.linear_scan:
-        return 0
-    return 12 * shape.seq * shape.heads * shape.d_k * shape.d_v * shape.num_layers * shape.micro_batch
-
-
-def train_step_flops(shape: StepShape) -> int:
-    """Forward + backward FLOPs of one micro-batch (the module docstring has the formula)."""
-    return matmul_flops(shape) + attention_flops(shape) + scan_flops(shape)
-
-
-def matmul_params(model: torch.nn.Module) -> int:
-    """Weights that multiply every token: those of every linear layer, the output layer's
-    included (tied to the embedding, it has no weight of its own and uses the embedding's)."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, torch.nn.Linear)):
-            weight = module.weight if module.weight is not None else model.shared_embedding_or_output_weight()
-            total += weight.numel()
-    return total
-
-
-def attention_fraction(config, modes: Optional[torch.Tensor]) -> float:
-    """Fraction of query positions that read attention."""
-    if not getattr(config, "has_attention", True):  # a TransformerConfig has attention
-        return 0.0
-    if modes is None:
-        return 1.0
-    return (modes == Mode.ATTENTION).float().mean().item()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,17 +172,10 @@ def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recomp
         model, config = build(bench, variant, recompute)
     except Exception as error:  # e.g. a recompute granularity the layer does not offer yet
         return dict(row, status="unsupported", error=f"{type(error).__name__}: {error}")
-    modes = None
-    if p_attention is not None:
-        schedule = RandomChunks(chunk_size=bench.chunk, p_attention=p_attention)
-        modes = schedule.batch(bench.seq, range(bench.micro_batch), seed=0).to(bench.device)
-    shape = StepShape(
-        matmul_params=matmul_params(model), num_layers=config.num_layers,
-        heads=config.num_attention_heads, d_k=config.kv_channels,
-        d_v=getattr(config, "value_head_dim", None) or config.kv_channels, seq=bench.seq,
-        micro_batch=bench.micro_batch, attention_fraction=attention_fraction(config, modes),
-        linear_scan=getattr(config, "linear_mixer", None) is not None,
-    )
+    modes = None if p_attention is None else RandomChunks(chunk_size=bench.chunk, p_attention=p_attention).batch(
+        bench.seq, range(bench.micro_batch), seed=0).to(bench.device)
+    read = 1.0 if modes is None else (modes == Mode.ATTENTION).float().mean().item()
+    shape = flops.step_shape(config, flops.matmul_params(model), bench.seq, bench.micro_batch, read)
     document_ids = packed_documents(bench.micro_batch, bench.seq).to(bench.device) if reset_at_eod else None
     row.update(params_m=sum(p.numel() for p in model.parameters()) / 1e6,
                attention_read=shape.attention_fraction,
@@ -277,13 +194,13 @@ def measure(bench: Bench, variant: Variant, p_attention: Optional[float], recomp
         gc.collect()
         if bench.device.type == "cuda":
             torch.cuda.empty_cache()
-    flops = train_step_flops(shape)
+    step_flops = flops.train_step_flops(shape)
     peak_memory = torch.cuda.max_memory_allocated(bench.device) / 2**30 if bench.device.type == "cuda" else None
-    tflops = flops / seconds / 1e12
+    tflops = step_flops / seconds / 1e12
     return dict(
         row, status="ok", step_ms=seconds * 1e3, tokens_per_s=bench.micro_batch * bench.seq / seconds,
         tflops=tflops, mfu=None if bench.peak_tflops is None else tflops / bench.peak_tflops,
-        peak_memory_gib=peak_memory, activation_gib=activations / 2**30, flops=flops,
+        peak_memory_gib=peak_memory, activation_gib=activations / 2**30, flops=step_flops,
     )
 
 
@@ -321,6 +238,7 @@ def write_profile(step: Callable[[], None], bench: Bench, row: dict) -> Path:
     sort = "self_cuda_time_total" if bench.device.type == "cuda" else "self_cpu_time_total"
     p = "" if row["p_attention"] is None else f"-p{row['p_attention']}"
     reset = "-reset" if row["reset_at_eod"] else ""
+    bench.profile_dir.mkdir(parents=True, exist_ok=True)
     path = bench.profile_dir / f"{row['model']}{p}-{row['recompute']}{reset}.txt"
     path.write_text(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
     return path
@@ -401,9 +319,8 @@ def format_table(rows: List[dict]) -> str:
 
 def default_peak_tflops(device: torch.device) -> Optional[float]:
     """989 on an H100/H200 (dense bf16), else unknown."""
-    if device.type == "cuda" and any(gpu in torch.cuda.get_device_name(device) for gpu in ("H100", "H200")):
-        return H100_H200_BF16_TFLOPS
-    return None
+    named = device.type == "cuda" and any(gpu in torch.cuda.get_device_name(device) for gpu in ("H100", "H200"))
+    return H100_H200_BF16_TFLOPS if named else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -459,8 +376,6 @@ def main(argv=None) -> List[dict]:
             device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
             peak_tflops=args.peak_tflops or default_peak_tflops(device), profile_dir=args.profile,
         )
-        if args.profile is not None:
-            args.profile.mkdir(parents=True, exist_ok=True)
         setup = dict(
             date=datetime.datetime.now().isoformat(timespec="seconds"),
             device=(torch.cuda.get_device_name(device) if device.type == "cuda"

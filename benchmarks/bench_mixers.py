@@ -1,6 +1,6 @@
 """Forward+backward time of one MultiMixer layer per mixer configuration and sequence length.
 
-    .venv/bin/python tools/bench/bench_mixers.py [--hidden 256 --heads 4 --seq 512 1024 2048]
+    .venv/bin/python benchmarks/bench_mixers.py [--hidden 256 --heads 4 --seq 512 1024 2048]
 
 Prints a table of milliseconds per call and the ratio against the attention-only layer
 measured in the same run (the baseline). Kernels: whatever `kernel_backend=auto` picks here.
@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from oryx_megatron.config import Mode
+from oryx_megatron.config import Mode, ModelArgs
 from oryx_megatron.layers.multi_mixer import MultiMixer
-from oryx_megatron.config import ModelArgs
+from oryx_megatron.mixer import MixerContext
 from oryx_megatron.models.builder import transformer_config
 from oryx_megatron.models.specs import get_oryx_layer_local_spec
 from oryx_megatron.parallel import initialize_parallel
@@ -37,7 +37,7 @@ def build(family, mixers, hidden, heads):
 
 def time_call(mixer, x, modes, repeats):
     def call():
-        out, _ = mixer(x, modes)
+        out, _ = mixer(x, MixerContext.build(mixer.config, modes))
         out.sum().backward()
 
     call()  # warm-up
