@@ -35,9 +35,9 @@ def corpus(tmp_path_factory):
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from data_prep.inputs import InputOptions, stdlib_files
-    from data_prep.pipeline import tokenize_corpus
-    from data_prep.tokenizer import ByteTokenizer
+    from oryx_megatron.data.prep.inputs import InputOptions, stdlib_files
+    from oryx_megatron.data.prep.pipeline import tokenize_corpus
+    from oryx_megatron.data.prep.tokenizer import ByteTokenizer
 
     root = tmp_path_factory.mktemp("corpus")
     files = stdlib_files()[:60]
@@ -54,7 +54,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(corpus, tmp_path_factory):
     """A run's checkpoint.dir after 20 iterations of the tiny Oryx-TG (seq 64, byte vocab)."""
-    from oryx_megatron.train import pretrain
+    from oryx_megatron.training.loop import pretrain
     from tests.test_train import run_config
 
     tmp = tmp_path_factory.mktemp("tiny_ckpt")

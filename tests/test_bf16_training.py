@@ -7,7 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from oryx_megatron import RECIPES_DIR
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 from oryx_megatron.training import checkpointing
 from oryx_megatron.training.config import load_train_config
 from tests.test_train import losses

@@ -13,7 +13,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 from oryx_megatron.inference.checkpoint import load_model
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 from oryx_megatron.training.checkpointing import RUN_CONFIG
 from tests.test_train import losses, run_config
 

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from oryx_megatron.tools.chaos_train import compare_checkpoints
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 from oryx_megatron.training import checkpointing
 from oryx_megatron.training.config import ConfigError
 from tests.distributed import run_distributed

@@ -13,7 +13,7 @@ import torch
 import numpy as np
 
 from oryx_megatron.eval.mode_switch import CSV_COLUMNS, mode_gap, position_losses, tokens_to_converge
-from oryx_megatron.tools import evaluate, generate
+from oryx_megatron.cli import evaluate, generate
 
 BIN = os.path.dirname(sys.executable)
 TASK_KEYS = {
@@ -162,7 +162,8 @@ def test_results_can_go_to_wandb_offline(checkpoint, tmp_path, monkeypatch):
 def test_inference_tools_default_to_the_gpu_in_bf16_where_there_is_one():
     import argparse
 
-    from oryx_megatron.tools.loading import add_model_arguments, default_device, default_dtype
+    from oryx_megatron.cli.common import add_model_arguments
+    from oryx_megatron.inference.loading import default_device, default_dtype
 
     assert (default_dtype("cuda"), default_dtype("cuda:1"), default_dtype("cpu")) == ("bfloat16", "bfloat16", "float32")
     parser = argparse.ArgumentParser()

@@ -272,7 +272,7 @@ def test_schedule_parse_errors_name_the_bad_part(text, message):
 # ---- oryx-generate's decoding flags ----
 
 def test_cli_no_kv_cache_and_speculative(tiny_checkpoint, capsys):
-    from oryx_megatron.tools import generate as cli
+    from oryx_megatron.cli import generate as cli
 
     common = [tiny_checkpoint, "--prompt", "def ", "--max-new-tokens", "6", "--device", "cpu"]
     assert cli.main(common + ["--schedule", "all_linear", "--no-kv-cache"]) == 0

@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from oryx_megatron.eval.lm_eval_adapter import OryxLM, pair_modes, score_continuation  # noqa: E402
-from oryx_megatron.tools.lm_eval_harness import OryxCheckpointLM  # noqa: E402  (registers "oryx")
+from oryx_megatron.eval.lm_eval_harness import OryxCheckpointLM  # noqa: E402  (registers "oryx")
 
 DOCS = [
     {"question": "import", "choices": ["os", "}{", "9x"], "label": 0},

@@ -10,8 +10,9 @@ from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What each part of the library may import (besides itself and third-party packages):
-# ops <- layers <- models <- {training, inference} <- {eval, hf} <- tools; data depends on nothing above it.
+# What each part of the library may import (besides itself and third-party packages), /work/notes/layout.md:
+# ops <- layers <- models <- {training, inference} <- {eval, hf} <- {experiments, tools} <- cli; data (with data.prep,
+# oryx-prep's library) depends on nothing above it; nothing imports cli, the console scripts.
 FOUNDATION = {"config", "compat", "launch", "parallel"}
 ALLOWED = {
     "ops": set(),
@@ -21,21 +22,22 @@ ALLOWED = {
     "parallel": {"compat", "launch"},
     "data": {"config"},
     "layers": {"ops", "config"},
-    "models": {"layers", "ops", "config"},
+    "models": {"layers", "ops", "config", "parallel"},  # parallel: models.params builds a model on the meta device
     "training": {"models", "layers", "ops", "data"} | FOUNDATION,
-    "train": {"training", "models", "layers", "ops", "data"} | FOUNDATION,
     "inference": {"training", "models", "layers", "ops", "data"} | FOUNDATION,
-    "eval": {"inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
+    "eval": {"inference", "training", "models", "layers", "ops", "data"} | FOUNDATION,
     # Hugging Face interop: plain torch modules on the ops (no layers), conversion through models and training
     "hf": {"inference", "training", "models", "ops", "data"} | FOUNDATION,
-    "tools": {"hf", "eval", "inference", "train", "training", "models", "layers", "ops", "data"} | FOUNDATION,
+    "experiments": {"eval", "inference", "training", "models", "layers", "ops", "data"} | FOUNDATION,
+    "tools": {"hf", "eval", "inference", "training", "models", "layers", "ops", "data"} | FOUNDATION,
+    "cli": {"experiments", "hf", "eval", "inference", "training", "models", "layers", "ops", "data"} | FOUNDATION,
 }
 
 
 def _part(module: str) -> str:
-    """'oryx_megatron.data.loader' -> 'data'; 'data_prep.cli' -> 'data_prep'."""
+    """'oryx_megatron.data.loader' -> 'data'."""
     parts = module.split(".")
-    return parts[0] if parts[0] == "data_prep" else (parts[1] if len(parts) > 1 else "")
+    return parts[1] if len(parts) > 1 else ""
 
 
 def _imports(path: Path, package: str):
@@ -51,20 +53,15 @@ def _imports(path: Path, package: str):
 def upward_imports(root: Path = ROOT):
     """'file:line imports module' for each import under root that runs up the layers."""
     found = []
-    for path in sorted((root / "oryx_megatron").rglob("*.py")) + sorted((root / "data_prep").rglob("*.py")):
+    for path in sorted((root / "oryx_megatron").rglob("*.py")):
         rel = path.relative_to(root)
         package = ".".join(rel.parts[:-1])  # the package the file belongs to
         source = _part(rel.with_suffix("").as_posix().replace("/", "."))
         for line, module in _imports(path, package):
-            if module is None or not module.startswith(("oryx_megatron", "data_prep")):
+            if module is None or not module.startswith("oryx_megatron"):
                 continue
             target = _part(module)
-            if source == "data_prep":
-                ok = target in ("data_prep", "data")  # the manifest format is shared with data
-            elif target == "data_prep":
-                ok = source in ("tools",)
-            else:
-                ok = target in ("", source) or target in ALLOWED.get(source, set())
+            ok = target in ("", source) or target in ALLOWED.get(source, set())
             if not ok:
                 found.append(f"{rel}:{line} imports {module}")
     return found
@@ -79,15 +76,19 @@ def test_the_import_check_sees_upward_imports(tmp_path):
         "oryx_megatron/data/probe.py": "import torch\ndef f():\n    from oryx_megatron.eval import ppl\n",
         "oryx_megatron/layers/probe.py": "from ..models import builder\nfrom ..ops import conv\n",
         "oryx_megatron/models/probe.py": "from oryx_megatron.layers import norms\n",
-        "data_prep/probe.py": "from oryx_megatron.training import config\n",
+        "oryx_megatron/data/prep/probe.py": "from oryx_megatron.training import config\n",
+        "oryx_megatron/eval/probe.py": "from oryx_megatron.cli.errors import one_line\n",
+        "oryx_megatron/experiments/probe.py": "from oryx_megatron.hf import convert\nfrom oryx_megatron.eval import ppl\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert upward_imports(tmp_path) == [
+        "oryx_megatron/data/prep/probe.py:1 imports oryx_megatron.training",
         "oryx_megatron/data/probe.py:3 imports oryx_megatron.eval",
+        "oryx_megatron/eval/probe.py:1 imports oryx_megatron.cli.errors",
+        "oryx_megatron/experiments/probe.py:1 imports oryx_megatron.hf",
         "oryx_megatron/layers/probe.py:1 imports oryx_megatron.models",
-        "data_prep/probe.py:1 imports oryx_megatron.training",
     ]
 
 
@@ -106,11 +107,11 @@ def _dotted(node) -> str:
 
 
 def megatron_version_reads(root: Path = ROOT):
-    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/, tools/
-    and data_prep/: its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an
-    import) or its distribution's name (``importlib.metadata.version("megatron-core")``)."""
+    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/ and tools/:
+    its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an import) or its
+    distribution's name (``importlib.metadata.version("megatron-core")``)."""
     found = []
-    for path in sorted(p for part in ("oryx_megatron", "tools", "data_prep") for p in (root / part).rglob("*.py")):
+    for path in sorted(p for part in ("oryx_megatron", "tools") for p in (root / part).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel in VERSION_READERS:
             continue
@@ -146,7 +147,8 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         "oryx_megatron/training/probe.py": "from megatron.core import package_info\nimport megatron.core as mc\n"
                                            "v = mc.__version__\n",
         "tools/bench/probe.py": "import importlib.metadata\nv = importlib.metadata.version('Megatron-Core')\n",
-        "data_prep/probe.py": "from megatron.core.package_info import __version__\nimport megatron.core.package_info\n",
+        "oryx_megatron/data/prep/probe.py": "from megatron.core.package_info import __version__\n"
+                                            "import megatron.core.package_info\n",
         "oryx_megatron/ops/probe.py": '"""Runs on megatron-core."""\nimport megatron.core.tensor_parallel\nx = t.__version__\n',
         "oryx_megatron/compat/megatron.py": "import megatron.core\nv = megatron.core.__version__\n",
     }
@@ -154,7 +156,7 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert megatron_version_reads(tmp_path) == [f"{where} reads megatron-core's version" for where in (
-        "data_prep/probe.py:1", "data_prep/probe.py:2", "oryx_megatron/models/probe.py:2",
+        "oryx_megatron/data/prep/probe.py:1", "oryx_megatron/data/prep/probe.py:2", "oryx_megatron/models/probe.py:2",
         "oryx_megatron/training/probe.py:1", "oryx_megatron/training/probe.py:3",
         "tools/bench/probe.py:2")]
 

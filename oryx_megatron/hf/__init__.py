@@ -5,7 +5,7 @@ conversion of megatron checkpoints to transformers folders and back.
   ``oryx_megatron.ops``), registered here with ``AutoConfig`` / ``AutoModelForCausalLM`` (``model_type:
   "oryx"``); a folder's ``auto_map`` loads them with ``trust_remote_code=True`` where this package is installed;
 - ``layout``: the weight names and fused-tensor splits that export and import share;
-- ``export`` / ``importing``: ``oryx-export hf`` and ``oryx-import hf`` (``oryx_megatron.tools``).
+- ``export`` / ``importing``: ``oryx-export hf`` and ``oryx-import hf`` (``oryx_megatron.cli``).
 
 Needs ``transformers`` and ``safetensors`` (``pip install 'oryx-megatron[hf]'``); the rest of the package
 does not import this one.

@@ -1,4 +1,4 @@
-"""Model recipes (the ``model`` config group under recipes/) -> megatron configs and models.
+"""Model recipes (the ``model`` config group under oryx_megatron/recipes/) -> megatron configs and models.
 
 Families: ``oryx_tg`` (attention + Gated DeltaNet), ``oryx_tm`` (attention + Mamba-2),
 the single-mixer baselines ``gdn`` and ``mamba2`` (the same layer with one mixer), and
@@ -34,7 +34,7 @@ FAMILY_MIXERS = {
 
 @dataclass
 class ModelArgs:
-    """Schema of a model recipe (recipes/model/*.yaml)."""
+    """Schema of a model recipe (oryx_megatron/recipes/model/*.yaml)."""
 
     family: str
     num_layers: int

@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from oryx_megatron import ops
 from oryx_megatron.ops import cuda, selection
-from oryx_megatron.tools.reporting import write_json
+from oryx_megatron.eval.reporting import write_json
 
 if TYPE_CHECKING:  # megatron is imported when a section needs it, after the warning filters
     from oryx_megatron.models.builder import ModelArgs
@@ -486,7 +486,7 @@ class ModelPair:
 
 def build_pair(family: str, setup: Setup) -> ModelPair:
     from oryx_megatron.models.builder import build_model, transformer_config
-    from oryx_megatron.tools.params import load_model_args
+    from oryx_megatron.models.params import load_model_args
 
     s, dtype = setup.sizes, setup.model_dtype
     args = dataclasses.replace(load_model_args([f"model={s.model.format(family=family)}"]), **dict(s.model_overrides))
@@ -581,7 +581,7 @@ def train(overrides: List[str], output_dir: Path) -> List[float]:
     from hydra import compose, initialize_config_dir
 
     from oryx_megatron import RECIPES_DIR
-    from oryx_megatron.train import pretrain
+    from oryx_megatron.training.loop import pretrain
     from oryx_megatron.training.config import load_train_config
 
     with initialize_config_dir(str(RECIPES_DIR), version_base=None):

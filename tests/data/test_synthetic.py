@@ -12,7 +12,7 @@ from oryx_megatron.data.modes import random_chunks
 from oryx_megatron.data.synthetic import MQARLoader
 from oryx_megatron.data.tasks.mqar import solve_mqar
 from oryx_megatron import RECIPES_DIR
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 from oryx_megatron.training.config import ConfigError, load_train_config
 
 SCHEDULE = {"name": "random_chunks", "chunk_size": 8, "p_attention": 0.5}

@@ -130,7 +130,7 @@ def header(toy: bool) -> dict:
 
 def write_outputs(out: Path, work: Path, results: dict) -> None:
     """results.json and logs.tar.gz in ``out``, replaced whole (a reader never sees half a file)."""
-    from oryx_megatron.tools.reporting import write_json
+    from oryx_megatron.eval.reporting import write_json
 
     write_json(out / "results.json", results)
     tmp = out / "logs.tar.gz.tmp"
