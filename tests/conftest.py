@@ -61,3 +61,15 @@ def tiny_checkpoint(corpus, tmp_path_factory):
     run = run_config(corpus, tmp, "train.train_iters=20", "optimizer.lr=1e-2", "checkpoint.save_at_end=true")
     assert pretrain(run, str(tmp / "out")) == 0
     return str(tmp / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def transformer_checkpoint(corpus, tmp_path_factory):
+    """A run's checkpoint.dir after 4 iterations of the tiny Transformer baseline (seq 64, byte vocab)."""
+    from oryx_megatron.training.loop import pretrain
+    from tests.test_train import run_config
+
+    tmp = tmp_path_factory.mktemp("transformer_ckpt")
+    run = run_config(corpus, tmp, "model.family=transformer", "train.train_iters=4", "checkpoint.save_at_end=true")
+    assert pretrain(run, str(tmp / "out")) == 0
+    return str(tmp / "ckpt")

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -132,6 +133,27 @@ def test_generate_in_process(checkpoint, capsys):
                           "--max-new-tokens", "4", "--stop", "\n"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("=== [0]") and "schedule: linear:0-3,attention:3-" in out
+
+
+def test_the_transformer_baseline_generates_with_its_cache(transformer_checkpoint, capsys):
+    """oryx-generate on a Transformer checkpoint decodes through megatron's KV cache (no recurrent state); a
+    schedule that reads linear, or --speculative, is refused in one line."""
+    common = [transformer_checkpoint, "--prompt", "def ", "class ", "--max-new-tokens", "4", "--device", "cpu"]
+    assert generate.main(common) == 0
+    out = capsys.readouterr().out
+    stats = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.split("=== stats\n")[1].splitlines())
+    assert out.count("=== [") == 2 and stats["tokens fed in linear mode"] == stats["cache recurrent bytes"] == "0"
+    assert int(stats["cache kv bytes"].replace(",", "")) > 0
+    for extra, line in (
+            (["--schedule", "all_linear"], "oryx-generate: error: the Transformer baseline reads attention only: "
+                                           "schedule 'all_linear' makes position 0 of prompt 0 read linear; use an "
+                                           "attention-only schedule such as all_attention"),
+            (["--speculative", "2"], "oryx-generate: error: speculative decoding drafts in linear mode: the "
+                                     "Transformer baseline reads attention only")):
+        argv = common[:2] + common[3:] + extra  # one prompt
+        with pytest.raises(SystemExit) as exit_info:
+            generate.main(argv)
+        assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines() == [line]
 
 
 @pytest.mark.parametrize("main, argv, expected", [

@@ -77,6 +77,13 @@ def test_rolling_and_generate(lm):
     assert len(outs) == 2 and "\n" not in outs[0] and "(" not in outs[1] and len(outs[1]) <= 5
 
 
+def test_the_transformer_baseline_generates_until_a_stop(transformer_checkpoint, one_thread):
+    lm = OryxCheckpointLM(checkpoint=transformer_checkpoint, batch_size=2)
+    outs = lm.generate_until([Instance("generate_until", {}, ("def ", {"until": ["\n"], "max_gen_toks": 8}), 0),
+                              Instance("generate_until", {}, ("import", {"until": ["("], "max_gen_toks": 5}), 1)])
+    assert len(outs) == 2 and "\n" not in outs[0] and "(" not in outs[1] and len(outs[1]) <= 5
+
+
 def test_simple_evaluate_multiple_choice(checkpoint, tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))

@@ -20,6 +20,7 @@ from typing import List, Optional
 
 from oryx_megatron.cli.common import add_model_arguments, load_checkpoint
 from oryx_megatron.cli.errors import InputError, command_parser, run_command
+from oryx_megatron.config import Mode
 from oryx_megatron.data.prep.tokenizer import AnyTokenizer
 from oryx_megatron.eval.ppl import document_reset_id
 from oryx_megatron.inference import (
@@ -30,7 +31,7 @@ from oryx_megatron.inference import (
     parse_schedule,
     speculative_generate,
 )
-from oryx_megatron.inference.generation import schedule_prompts
+from oryx_megatron.inference.generation import NO_KV_CACHE, schedule_prompts
 from oryx_megatron.inference.loading import dataset_tokenizer
 
 
@@ -124,7 +125,8 @@ def check_decoding(args: argparse.Namespace, n_prompts: int) -> None:
 
 def check_linear_only(args: argparse.Namespace, encoded: List[List[int]], vocab_size: int) -> None:
     """--no-kv-cache: no position the schedule feeds may read attention (checked before generating)."""
-    schedule_prompts(encoded, args.schedule, args.max_new_tokens, vocab_size, "cpu").require_linear_only()
+    schedule_prompts(encoded, args.schedule, args.max_new_tokens, vocab_size, "cpu").require_reads(Mode.LINEAR,
+                                                                                                   NO_KV_CACHE)
 
 
 def _main(argv: List[str]) -> int:
