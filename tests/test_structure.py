@@ -22,7 +22,7 @@ ALLOWED = {
     "parallel": {"compat", "launch"},
     "data": {"config"},
     "layers": {"ops", "config"},
-    "models": {"layers", "ops", "config", "parallel"},  # parallel: models.params builds a model on the meta device
+    "models": {"layers", "ops"} | FOUNDATION,  # models.params sets up parallel state, models.transformer uses compat
     "training": {"models", "layers", "ops", "data"} | FOUNDATION,
     "inference": {"training", "models", "layers", "ops", "data"} | FOUNDATION,
     "eval": {"inference", "training", "models", "layers", "ops", "data"} | FOUNDATION,
