@@ -27,8 +27,10 @@ def plot_bars(exp: Experiment, summary: List[dict], exp_dir: Path) -> Path:
                label=label)
         spans += [means - stds, means + stds]
     low, high = np.nanmin(spans[0::2]), np.nanmax(spans[1::2])
-    if low > 0.5 * high:  # e.g. losses: zoom in on the differences
+    if high > low > 0.5 * high:  # e.g. losses: zoom in on the differences
         ax.set_ylim(low - 0.2 * (high - low), high + 0.2 * (high - low))
+    elif low >= 0:  # accuracies, fractions: from 0 (to 1 when every bar is 0)
+        ax.set_ylim(0, 1.1 * high if high > 0 else 1)
     names = [model if len(exp.variants) == 1 else f"{model}\n{variant}" for variant, model in groups]
     ax.set_xticks(np.arange(len(groups)), names, fontsize=8)
     ax.set(ylabel=f"{metric} (mean ± std over {len(exp.seeds)} seeds)", title=f"{exp.name}: {metric}")
@@ -64,6 +66,9 @@ def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
             ax.plot(x, y, style, color=KIND_COLORS[kind], markersize=5,
                     label=kind if kind != "all" else "all_linear / all_attention")
         ax.set(xlabel="attention fraction (tokens)", title=model if len(exp.variants) == 1 else f"{model} ({variant})")
+    values = [r[metric] for r in rows if r[metric] is not None]
+    if values and min(values) >= 0:  # accuracies: from 0 (to 1 when every point is 0)
+        axes[0].set_ylim(0, 1.1 * max(values) if max(values) > 0 else 1)
     axes[0].set_ylabel(f"{metric} (mean over {len(exp.seeds)} seeds)")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -73,8 +78,9 @@ def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
 
 
 def plot_curves(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
-    """Per-position loss of the four mode-switch schedules, mean over seeds; a panel per
-    (variant, model)."""
+    """Per (variant, model) a column, per switch direction a row: the switched schedule's gap to its target
+    mode (``mode_switch.draw_gap``: trailing means restarting at the switch, which is marked), per-position
+    losses averaged over seeds first."""
     from matplotlib.figure import Figure
 
     runs: Dict[tuple, List[str]] = {}
@@ -82,17 +88,21 @@ def plot_curves(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
         names = runs.setdefault((row["variant"], row["model"]), [])
         if row["run"] not in names:
             names.append(row["run"])
-    fig = Figure(figsize=(5.5 * len(runs), 4.2))
-    axes = np.atleast_1d(fig.subplots(1, len(runs), sharey=True))
+    fig = Figure(figsize=(4.5 * len(runs), 6.5))
+    axes = fig.subplots(len(mode_switch.TARGETS), len(runs), sharex=True, sharey="row", squeeze=False)
     switch_at, width = exp.eval.get("t"), exp.eval.get("smooth_width", 16)
-    for ax, ((variant, model), names) in zip(axes, runs.items()):
+    for column, ((variant, model), names) in enumerate(runs.items()):
         tables = [np.genfromtxt(exp_dir / "evals" / n / "mode_switch.csv", delimiter=",", names=True) for n in names]
-        curves = {c: mode_switch.smooth(np.mean([t[f"loss_{c}"] for t in tables], axis=0), 0, width)
-                  for c in mode_switch.CURVES}
-        mode_switch.draw_curves(ax, curves, switch_at if switch_at is not None else len(tables[0]) // 2)
-        ax.set(title=model if len(exp.variants) == 1 else f"{model} ({variant})")
-    axes[0].set_ylabel(f"held-out loss, {width}-token trailing mean, {len(exp.seeds)} seeds")
-    axes[0].legend(fontsize=8)
+        curves = {c: np.mean([t[f"loss_{c}"] for t in tables], axis=0) for c in mode_switch.CURVES}
+        t = switch_at if switch_at is not None else len(tables[0]) // 2
+        for ax, switch in zip(axes[:, column], mode_switch.TARGETS):
+            mode_switch.draw_gap(ax, curves, t, switch, width)
+            name = model if len(exp.variants) == 1 else f"{model} ({variant})"
+            ax.set_title(f"{name}: {switch.replace('_to_', ' → ').replace('_', ' ')} at {t}", fontsize=9)
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"gap to the target (nats), {width}-token\ntrailing mean, {len(exp.seeds)} seeds", fontsize=8)
     fig.tight_layout()
     path = exp_dir / "mode_switch.png"
     fig.savefig(path, dpi=120)
