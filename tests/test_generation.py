@@ -175,6 +175,17 @@ def test_transformer_says_what_it_cannot_decode(transformer):
         transformer(torch.tensor(batch[:1]), inference_cache=transformer.allocate_inference_cache(1, torch.float64))
 
 
+def test_transformer_documents_need_the_local_core_attention(transformer, monkeypatch):
+    """Transformer Engine's core attention (here: any other than the local spec's) gets no explicit mask."""
+    transformer.eval()
+    monkeypatch.setattr(transformer.decoder.layers[0].self_attention, "core_attention", torch.nn.Identity())
+    ids = torch.tensor(prompts((6,)))
+    with pytest.raises(ValueError, match=r"^the Transformer baseline reads packed documents \(reset_at_eod\) .* "
+                                         r"with model.transformer_impl=local only"):
+        transformer(ids, inference_cache=transformer.allocate_inference_cache(1, torch.float64),
+                    document_ids=torch.zeros_like(ids))
+
+
 def test_sampled_generation_is_reproducible_and_stays_in_vocab(model):
     batch = prompts(seed=2)
     params = SamplingParams(temperature=2.0, top_k=50, top_p=0.95, seed=7)

@@ -9,8 +9,8 @@ loop calls (``reserve``, ``snapshot`` / ``restore``, ``start_documents``, ``nbyt
 
 Masks: megatron masks a prefill causally and lets a one-token step read every cached key; packed
 documents (``document_ids``, ``start_documents``) and a multi-token call on a filled cache get an explicit
-mask [b, 1, s, cached + s] instead, read by the local spec's core attention (the Transformer Engine spec
-decodes without documents). The baseline reads attention only: no linear mode, no cache without keys and
+mask [b, 1, s, cached + s] instead, read by the local spec's core attention (with the Transformer Engine
+spec they are refused in one line). The baseline reads attention only: no linear mode, no cache without keys and
 values, no CUDA graphs (the generation loop says so).
 """
 
@@ -22,6 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from torch import Tensor
 
 from oryx_megatron.compat.megatron import last_token_logits_only, static_inference_context
+from oryx_megatron.layers.gpt_attention import CausalSDPAttention
 from oryx_megatron.layers.multi_mixer import KV_BLOCK
 
 
@@ -157,6 +158,10 @@ class TransformerBaseline(GPTModel):
         s = input_ids.shape[1]
         cache.reserve(cache.seqlen + s)
         mask = cache.attention_mask(s, document_ids)
+        if mask is not None and not isinstance(self.decoder.layers[0].self_attention.core_attention,
+                                               CausalSDPAttention):
+            raise ValueError("the Transformer baseline reads packed documents (reset_at_eod) and several new tokens "
+                             "on a filled cache with model.transformer_impl=local only (an explicit mask)")
         last_token_logits_only(cache.context, last_token_logits)
         logits = super().forward(input_ids, position_ids=None, attention_mask=mask, inference_context=cache.context,
                                  runtime_gather_output=True)  # megatron's inference path asks for it (TP=1: a no-op)
