@@ -23,12 +23,12 @@ import sys
 import torch
 from tqdm import tqdm
 
+from oryx_megatron.eval.reporting import write_json
 from oryx_megatron.inference import generate, speculative_generate
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.models.builder import build_model, transformer_config
+from oryx_megatron.models.params import load_model_args
 from oryx_megatron.parallel import initialize_parallel
-from oryx_megatron.tools.params import load_model_args
-from oryx_megatron.tools.reporting import write_json
 
 SCHEDULES = ("all_attention", "all_linear", "prefill=linear decode=attention")
 COLUMNS = ("schedule", "graphs", "context", "batch", "prefill_s", "decode_ms_per_step", "decode_tok_per_s",
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     device_default = "cuda" if torch.cuda.is_available() else "cpu"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=device_default)
-    parser.add_argument("--model", help="a recipe under recipes/model "
+    parser.add_argument("--model", help="a recipe under oryx_megatron/recipes/model "
                                         "(default: tiny_oryx_tg on CPU, oryx_tg_130m on CUDA)")
     parser.add_argument("--checkpoint", help="a trained model (oryx-train checkpoint) instead of random weights: "
                                              "speculative acceptance then means something")

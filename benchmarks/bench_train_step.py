@@ -45,13 +45,13 @@ from tqdm import tqdm
 from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import RandomChunks
 from oryx_megatron.config import FAMILY_MIXERS, ModelArgs
+from oryx_megatron.eval.reporting import write_json
 from oryx_megatron.models import flops
 from oryx_megatron.models.builder import build_model, transformer_config
+from oryx_megatron.models.params import load_model_args
 from oryx_megatron.parallel import current_device, destroy_parallel, initialize_parallel
-from oryx_megatron.tools.params import load_model_args
-from oryx_megatron.tools.reporting import write_json
 
-MODEL_SIZES = {"tiny": "tiny_{family}", "130m": "{family}_130m", "1_4b": "{family}_1_4b"}  # recipes/model/
+MODEL_SIZES = {"tiny": "tiny_{family}", "130m": "{family}_130m", "1_4b": "{family}_1_4b"}  # oryx_megatron/recipes/model/
 RECOMPUTE = {  # --recompute -> TransformerConfig fields
     "none": {},
     "selective": dict(recompute_granularity="selective"),  # megatron's default modules: core_attn

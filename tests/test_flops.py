@@ -61,7 +61,7 @@ def test_matmul_params_see_through_megatrons_wrappers(tiny):
 
 def test_the_training_log_counts_with_the_flop_model(corpus, tmp_path, single_process_parallel):
     """perf/tflops x step time of every logged step = train_step_flops at that step's attention fraction."""
-    from oryx_megatron.train import pretrain
+    from oryx_megatron.training.loop import pretrain
     from tests.test_train import losses, run_config
 
     run = run_config(corpus, tmp_path, "train.train_iters=4")

@@ -15,6 +15,8 @@ in place. A call whose tokens all read one mode passes that ``Mode`` (the model 
 only that mixer); the host copy of the modes decides it, so a step syncs with the device only
 to read the sampled tokens. On CUDA the one-token steps replay CUDA graphs (``cuda_graphs``).
 ``kv_cache=False`` keeps no keys/values: linear-only generation, checked before any compute.
+The Transformer baseline decodes through megatron's own KV cache (``models.transformer``): attention
+only, eagerly.
 
 A sequence finishes on a stop token (kept as its last output token, reason "stop") or after
 ``max_new_tokens`` (reason "length"). Finished sequences keep stepping with the batch, their
@@ -40,6 +42,9 @@ from oryx_megatron.inference.forward import (
 from oryx_megatron.inference.routing import ChunkDecisions
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
 from oryx_megatron.inference.schedules import InferenceSchedule, RouterSchedule, as_inference_schedule
+from oryx_megatron.models.transformer import TransformerBaseline
+
+NO_KV_CACHE = "no KV cache (kv_cache=False / --no-kv-cache)"  # what a linear-only cache cannot read
 
 
 @dataclasses.dataclass
@@ -114,16 +119,18 @@ class RaggedBatch:
             self.modes[:, start:end] = positions
             self.host_modes[:, start:end] = positions.cpu().numpy()  # the one host sync of a decision
 
-    def require_linear_only(self) -> None:
-        """Refuse (before any compute) a schedule that makes a token read attention: no KV cache to read."""
+    def require_reads(self, mode: Mode, who: str) -> None:
+        """Refuse (before any compute) a schedule that makes a token read another mode than ``mode``: ``who``
+        (the start of the message) cannot read it."""
+        name = mode.name.lower()
+        advice = f"use {'an' if name[0] in 'aeiou' else 'a'} {name}-only schedule such as all_{name}"
         if isinstance(self.schedule, RouterSchedule):
-            raise ValueError(f"no KV cache (kv_cache=False / --no-kv-cache): schedule '{self.schedule}' may make a "
-                             "token read attention; use a linear-only schedule such as all_linear")
-        attention = self.host_modes == Mode.ATTENTION  # [b, span]
-        if attention.any():
-            i, pos = np.argwhere(attention)[0]
-            raise ValueError(f"no KV cache (kv_cache=False / --no-kv-cache): schedule '{self.schedule}' makes position "
-                             f"{pos} of prompt {i} read attention; use a linear-only schedule such as all_linear")
+            raise ValueError(f"{who}: schedule '{self.schedule}' lets the router choose each chunk's mode; {advice}")
+        elsewhere = self.host_modes != mode  # [b, span]
+        if elsewhere.any():
+            i, pos = np.argwhere(elsewhere)[0]
+            raise ValueError(f"{who}: schedule '{self.schedule}' makes position {pos} of prompt {i} read "
+                             f"{Mode(int(self.host_modes[i, pos])).name.lower()}; {advice}")
 
 
 def schedule_prompts(prompts: Sequence[Sequence[int]], schedule, max_new_tokens: int, vocab_limit: int,
@@ -222,11 +229,17 @@ def generate(
     flag back.
     """
     device, dtype = check_model(model)
-    graphs = use_cuda_graphs(cuda_graphs, device)
     limit = vocab_size if vocab_size is not None else model.vocab_size  # the padded vocab
     batch = schedule_prompts(prompts, schedule, max_new_tokens, limit, device)
     if not kv_cache:
-        batch.require_linear_only()
+        batch.require_reads(Mode.LINEAR, NO_KV_CACHE)
+    if isinstance(model, TransformerBaseline):  # megatron's KV cache, read eagerly
+        batch.require_reads(Mode.ATTENTION, "the Transformer baseline reads attention only")
+        if cuda_graphs:
+            raise ValueError("cuda_graphs=True: the Transformer baseline decodes eagerly (megatron's KV cache), "
+                             "without CUDA graphs")
+        cuda_graphs = False
+    graphs = use_cuda_graphs(cuda_graphs, device)
     sequences = _Sequences(batch, Sampler(sampling, vocab_size, device), stop_token_ids, output_logits)
     b = len(batch.lengths)
     routed = isinstance(batch.schedule, RouterSchedule)

@@ -1,6 +1,6 @@
 """oryx-chaos-train: kill a training run again and again and prove it ends where an uninterrupted run ends.
 
-1. **Reference**: ``python -m oryx_megatron.train <overrides>`` to ``train_iters`` in one go, with the same
+1. **Reference**: ``python -m oryx_megatron.cli.train <overrides>`` to ``train_iters`` in one go, with the same
    ``checkpoint.save_interval`` (saving does not change the numbers, but the runs then differ in nothing
    but the kills).
 2. **Chaos**: the same command with a fixed ``checkpoint.dir``, started again after every kill until it
@@ -105,7 +105,7 @@ def chaos(args: argparse.Namespace) -> dict:
         "checkpoint.save_at_end=true", "checkpoint.load=true", "train.log_interval=1", "train.exit_interval=null"]
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
            "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    base = [sys.executable, "-m", "oryx_megatron.train", *overrides]
+    base = [sys.executable, "-m", "oryx_megatron.cli.train", *overrides]
     rng, stats, T, S = random.Random(args.seed), Stats(), args.train_iters, args.save_interval
     started = time.monotonic()
 

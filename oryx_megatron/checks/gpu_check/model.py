@@ -28,7 +28,7 @@ class ModelPair:
 
 def build_pair(family: str, setup: Setup) -> ModelPair:
     from oryx_megatron.models.builder import build_model, transformer_config
-    from oryx_megatron.tools.params import load_model_args
+    from oryx_megatron.models.params import load_model_args
 
     s, dtype = setup.sizes, setup.model_dtype
     args = dataclasses.replace(load_model_args([f"model={s.model.format(family=family)}"]), **dict(s.model_overrides))

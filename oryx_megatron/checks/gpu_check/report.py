@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from tqdm import tqdm
 
 from oryx_megatron.checks.gpu_check.setup import DRY_RUN_LABEL
-from oryx_megatron.tools.reporting import write_json
+from oryx_megatron.eval.reporting import write_json
 
 MAX_CELL = 400  # characters of a markdown cell
 

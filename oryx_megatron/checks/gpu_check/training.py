@@ -33,7 +33,7 @@ def train(overrides: List[str], output_dir: Path) -> List[float]:
     from hydra import compose, initialize_config_dir
 
     from oryx_megatron import RECIPES_DIR
-    from oryx_megatron.train import pretrain
+    from oryx_megatron.training.loop import pretrain
     from oryx_megatron.run_config import load_train_config
 
     with initialize_config_dir(str(RECIPES_DIR), version_base=None):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from oryx_megatron.checks import provenance
-from oryx_megatron.tools.reporting import write_json
+from oryx_megatron.eval.reporting import write_json
 
 OUT_FILES = ("results.json", "session.log", "logs.tar.gz")
 

@@ -12,7 +12,7 @@ model built on the meta device, as ``oryx-params`` counts them.
 import dataclasses
 
 from oryx_megatron.config import ModelArgs
-from oryx_megatron.tools.params import meta_model
+from oryx_megatron.models.params import meta_model
 
 TOLERANCE = 0.02  # relative difference allowed between the counts
 

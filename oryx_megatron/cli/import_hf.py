@@ -10,13 +10,12 @@ schedule and data order. It needs the run's dataset (the loader's state is saved
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
-from oryx_megatron.tools.loading import HF_NEEDS, hf_format_parser
-from oryx_megatron.run_config import ConfigError
+from oryx_megatron.cli.common import HF_NEEDS, hf_format_parser
+from oryx_megatron.cli.errors import InputError, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,25 +28,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _main(argv: List[str]) -> int:
+    args = build_parser().parse_args(argv)
     if args.tp < 1:
-        parser.error(f"argument --tp: must be >= 1, got {args.tp}")
+        raise InputError(f"argument --tp: must be >= 1, got {args.tp}")
     if not Path(args.hf_dir).is_dir():
-        parser.error(f"{args.hf_dir}: no such directory")
+        raise InputError(f"{args.hf_dir}: no such directory")
     try:
         from oryx_megatron.interop.hf_import import import_checkpoint
     except ImportError as e:
-        parser.error(f"{HF_NEEDS} ({e})")
-    try:
-        path = import_checkpoint(Path(args.hf_dir), Path(args.checkpoint_dir), args.tp, args.overrides)
-    except (OSError, ValueError, ConfigError) as e:
-        if os.environ.get("ORYX_DEBUG", "") not in ("", "0"):
-            raise
-        parser.error(str(e))
+        raise InputError(f"{HF_NEEDS} ({e})") from e
+    path = import_checkpoint(Path(args.hf_dir), Path(args.checkpoint_dir), args.tp, args.overrides)
     print(f"wrote {path} (TP={args.tp}); resume it with oryx-train checkpoint.dir={args.checkpoint_dir}")
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run_command("oryx-import", _main, argv)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """lm-evaluation-harness on an Oryx checkpoint: the lm-eval model ``oryx``.
 
-    python -m oryx_megatron.tools.lm_eval_harness run --model oryx \\
+    python -m oryx_megatron.cli.lm_eval run --model oryx \\
         --model_args checkpoint=runs/ckpt,schedule=all_attention,batch_size=8 \\
         --tasks hellaswag --include_path my_tasks/
 
 (``lm_eval --model oryx`` itself only finds the model once this module is imported: from
-Python, ``import oryx_megatron.tools.lm_eval_harness`` before ``lm_eval.simple_evaluate``;
-from the shell, run lm-eval through ``python -m oryx_megatron.tools.lm_eval_harness``, which
+Python, ``import oryx_megatron.eval.lm_eval_harness`` before ``lm_eval.simple_evaluate``;
+from the shell, run lm-eval through ``python -m oryx_megatron.cli.lm_eval``, which
 takes exactly lm-eval's command line.)
 
 model_args: ``checkpoint`` (a checkpoint dir or a run's checkpoint.dir), ``schedule`` (an
@@ -24,7 +24,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import simple_parse_args_string
 
 from oryx_megatron.eval.lm_eval_adapter import OryxLM
-from oryx_megatron.tools.loading import dataset_tokenizer, load_for_inference
+from oryx_megatron.inference.loading import dataset_tokenizer, load_for_inference
 
 
 @register_model("oryx")
@@ -50,14 +50,3 @@ class OryxCheckpointLM(OryxLM):
         """model_args win over lm-eval's own settings (its CLI always passes batch_size)."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         return cls(**{**extra, **arg_dict})
-
-
-def main() -> None:
-    """lm-eval's command line, with the ``oryx`` model registered."""
-    from lm_eval.__main__ import cli_evaluate
-
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    main()

@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from oryx_megatron.cli.common import add_model_arguments, load_checkpoint
+from oryx_megatron.cli.errors import InputError, command_parser, one_line, run_command
 from oryx_megatron.eval.mode_switch import evaluate_mode_switch
 from oryx_megatron.eval.ppl import evaluate_ppl
 from oryx_megatron.eval.retrieval import evaluate_retrieval
 from oryx_megatron.inference.schedules import parse_schedule
-from oryx_megatron.tools.loading import add_model_arguments, load_checkpoint
 
 TASKS = ("ppl", "mode_switch", "mqar", "niah")
 
@@ -36,8 +37,7 @@ def format_table(rows: List[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oryx-eval", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = command_parser("oryx-eval", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--task", required=True, choices=TASKS)
     parser.add_argument("--router", metavar="SPEC", help="also evaluate the model's router: 'budget=0.1' or "
@@ -84,18 +84,17 @@ def run_task(model, run, args: argparse.Namespace, out: Path) -> dict:
                               args.value_len, router)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _main(argv: List[str]) -> int:
+    args = build_parser().parse_args(argv)
     for name in ("num_batches", "batch_size", "num_samples", "smooth"):
         if getattr(args, name) < 1:
-            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+            raise InputError(f"argument --{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.router:
         try:
             parse_schedule(f"router {args.router}")
         except ValueError as e:
-            parser.error(f"argument --router: {e}")
-    model, run = load_checkpoint(parser, args)
+            raise InputError(f"argument --router: {e}") from e
+    model, run = load_checkpoint(args)
     out = Path(args.out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (OSError, ValueError) as e:
         if created:  # a failed task leaves no empty --out behind
             shutil.rmtree(out, ignore_errors=True)
-        parser.error(f"--task {args.task}: {e}")
+        raise InputError(f"--task {args.task}: {one_line(e)}") from e
     result["checkpoint"] = args.checkpoint
     (out / f"{args.task}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result["rows"]))
@@ -112,6 +111,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.wandb != "disabled":
         log_to_wandb(result, args, out)
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run_command("oryx-eval", _main, argv)
 
 
 def log_to_wandb(result: dict, args: argparse.Namespace, out: Path) -> None:

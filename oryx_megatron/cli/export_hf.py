@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from data_prep import PrepError
-from data_prep.tokenizer import ByteTokenizer
+from oryx_megatron.cli.common import HF_NEEDS, hf_format_parser, load_checkpoint
+from oryx_megatron.cli.errors import InputError, run_command
+from oryx_megatron.data.prep.tokenizer import ByteTokenizer
 from oryx_megatron.inference.checkpoint import resolve_checkpoint
-from oryx_megatron.tools.loading import DTYPES, HF_NEEDS, dataset_tokenizer, hf_format_parser, load_checkpoint
 from oryx_megatron.checkpoint import load_common
+from oryx_megatron.inference.loading import DTYPES, dataset_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,29 +45,29 @@ def tokenizer_files(run, spec: Optional[str]):
     return TokenizerFiles(path, eod_token, tokenizer.eod_id, tokenizer.vocab_size)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _main(argv: List[str]) -> int:
+    args = build_parser().parse_args(argv)
     try:
         from oryx_megatron.interop.hf_export import export_model, heldout_losses
     except ImportError as e:
-        parser.error(f"{HF_NEEDS} ({e})")
+        raise InputError(f"{HF_NEEDS} ({e})") from e
     written = args.dtype
     args.device, args.dtype = "cpu", "float32"  # load_checkpoint's: loaded in fp32, then written in `written`
-    model, run = load_checkpoint(parser, args)
+    model, run = load_checkpoint(args)
     iteration = int(load_common(resolve_checkpoint(args.checkpoint))["iteration"])
     dtype = DTYPES[written or ("bfloat16" if run.train.bf16 else "float32")]
     metrics = args.metrics
     if metrics is None and run.logging.output_dir and (Path(run.logging.output_dir) / "metrics.jsonl").exists():
         metrics = Path(run.logging.output_dir) / "metrics.jsonl"
-    try:
-        tokenizer = tokenizer_files(run, args.tokenizer)
-        heldout = heldout_losses(metrics, iteration) if metrics is not None else {}
-        out = export_model(model, run, Path(args.out_dir), dtype, tokenizer, iteration, heldout, args.max_shard_size)
-    except (OSError, ValueError, PrepError) as e:
-        parser.error(str(e))
+    tokenizer = tokenizer_files(run, args.tokenizer)
+    heldout = heldout_losses(metrics, iteration) if metrics is not None else {}
+    out = export_model(model, run, Path(args.out_dir), dtype, tokenizer, iteration, heldout, args.max_shard_size)
     print(f"wrote {out} ({run.model.family}, iteration {iteration}, {str(dtype).replace('torch.', '')})")
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run_command("oryx-export", _main, argv)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data_prep import PrepError
-from data_prep.inputs import InputOptions, iter_documents, plan_shards
-from data_prep.tokenizer import AnyTokenizer, HFTokenizer
+from oryx_megatron.data.prep import PrepError
+from oryx_megatron.data.prep.inputs import InputOptions, Piece, iter_documents, plan_shards
+from oryx_megatron.data.prep.tokenizer import AnyTokenizer, HFTokenizer, load_tokenizer, train_bpe
 from oryx_megatron.data.shards import MANIFEST, Manifest, ShardInfo, ShardWriter, token_dtype
 
 PROGRESS = "progress.jsonl"
@@ -159,3 +159,47 @@ def _tokenize_corpus(files, out: Path, tokenizer: AnyTokenizer, shard_bytes: int
     print("skipped: " + ", ".join(f"{k.removeprefix('skipped_')} {stats[k]}" for k in COUNTS if k.startswith("skipped"))
           + f"; invalid UTF-8 replaced in {stats['replaced_invalid_utf8']} documents")
     return manifest
+
+
+def train_corpus_tokenizer(files, options: InputOptions, vocab_size: int, out: Path) -> HFTokenizer:
+    """A byte-level BPE of ``vocab_size`` trained on the documents of ``files``, written to ``out``. Refuses
+    (PrepError, nothing left behind) inputs that hold no document: they would train a bytes-only BPE."""
+    counts, seen = Counter(), [0]
+
+    def texts():
+        for f in files:
+            for text in iter_documents(Piece(str(f)), options, counts):
+                seen[0] += 1
+                yield text
+
+    print(f"training a byte-level BPE (vocab {vocab_size}) on {len(files)} files -> {out}")
+    created = not out.parent.exists()
+    tokenizer = train_bpe(texts(), vocab_size, out)
+    if seen[0] == 0:
+        out.unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(out.parent, ignore_errors=True)
+        skipped = ", ".join(f"{k.removeprefix('skipped_')} {n}" for k, n in sorted(counts.items()) if k.startswith("skipped"))
+        raise PrepError(f"the {len(files)} input files hold no documents to train a tokenizer on"
+                        f" (skipped: {skipped or 'none'})")
+    return tokenizer
+
+
+def tokenize_dataset(files, out: Path, tokenizer_spec, vocab_size: int, eod_token: str, *, shard_bytes: int,
+                     workers: int, options: InputOptions) -> Manifest:
+    """``tokenize_corpus`` with the tokenizer ``tokenizer_spec`` (a tokenizer.json or 'byte'), or, when None,
+    a BPE of ``vocab_size`` trained on the inputs first (``out``/tokenizer.json: an interrupted run's is reused).
+    On an error ``out`` is removed if this call created it."""
+    created = not out.exists()
+    try:
+        if tokenizer_spec:
+            tokenizer = load_tokenizer(tokenizer_spec, eod_token)
+        elif (out / "tokenizer.json").exists():
+            tokenizer = HFTokenizer(out / "tokenizer.json", eod_token)
+        else:
+            tokenizer = train_corpus_tokenizer(files, options, vocab_size, out / "tokenizer.json")
+        return tokenize_corpus(files, out, tokenizer, shard_bytes=shard_bytes, workers=workers, options=options)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise

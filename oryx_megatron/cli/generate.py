@@ -6,7 +6,9 @@
 Prints each prompt with its continuation, then the stats of the run: tokens fed in each mode,
 attention-token fraction, prefill and decode tokens/s, cache memory (KV vs recurrent state).
 ``--no-kv-cache`` generates linear-only without a KV cache; ``--speculative K`` decodes one
-prompt by self-speculative decoding (linear drafts K tokens, attention verifies them).
+prompt by self-speculative decoding (linear drafts K tokens, attention verifies them). Every
+family decodes with its cache; the Transformer baseline reads attention only (no linear
+schedule, no --no-kv-cache, no --speculative) and decodes without CUDA graphs.
 The tokenizer is the dataset's (``tokenizer.json`` next to its manifest, or the byte
 tokenizer); ``--tokenizer`` overrides it (required for Megatron indexed datasets).
 """
@@ -16,8 +18,10 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from data_prep import PrepError
-from data_prep.tokenizer import AnyTokenizer
+from oryx_megatron.cli.common import add_model_arguments, load_checkpoint
+from oryx_megatron.cli.errors import InputError, command_parser, run_command
+from oryx_megatron.config import Mode
+from oryx_megatron.data.prep.tokenizer import AnyTokenizer
 from oryx_megatron.eval.ppl import document_reset_id
 from oryx_megatron.inference import (
     ALL_ATTENTION,
@@ -27,8 +31,8 @@ from oryx_megatron.inference import (
     parse_schedule,
     speculative_generate,
 )
-from oryx_megatron.inference.generation import schedule_prompts
-from oryx_megatron.tools.loading import add_model_arguments, dataset_tokenizer, load_checkpoint
+from oryx_megatron.inference.generation import NO_KV_CACHE, schedule_prompts
+from oryx_megatron.inference.loading import dataset_tokenizer
 
 
 def schedule_arg(text: str):
@@ -66,21 +70,20 @@ def format_stats(stats: GenerationStats) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def read_prompts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> List[str]:
+def read_prompts(args: argparse.Namespace) -> List[str]:
     if args.prompt is not None:
         return args.prompt
     try:
         prompts = [line for line in Path(args.prompt_file).read_text().splitlines() if line.strip()]
     except OSError as e:
-        parser.error(f"--prompt-file {args.prompt_file}: {e.strerror}")
+        raise InputError(f"--prompt-file {args.prompt_file}: {e.strerror}") from e
     if not prompts:
-        parser.error(f"--prompt-file {args.prompt_file}: holds no prompt (one per non-empty line)")
+        raise InputError(f"--prompt-file {args.prompt_file}: holds no prompt (one per non-empty line)")
     return prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oryx-generate", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("oryx-generate", __doc__)
     add_model_arguments(parser)
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", nargs="+", help="one or more prompts")
@@ -108,57 +111,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_decoding(parser: argparse.ArgumentParser, args: argparse.Namespace, n_prompts: int) -> None:
+def check_decoding(args: argparse.Namespace, n_prompts: int) -> None:
     """Errors of the decoding flags that need no model."""
     if args.speculative < 0:
-        parser.error(f"argument --speculative: must be >= 0, got {args.speculative}")
+        raise InputError(f"argument --speculative: must be >= 0, got {args.speculative}")
     if args.speculative and not args.kv_cache:
-        parser.error("--speculative verifies drafts in attention mode and needs the KV cache; drop --no-kv-cache")
+        raise InputError("--speculative verifies drafts in attention mode and needs the KV cache; drop --no-kv-cache")
     if args.speculative and n_prompts != 1:
-        parser.error(f"--speculative decodes one prompt at a time, got {n_prompts} prompts")
+        raise InputError(f"--speculative decodes one prompt at a time, got {n_prompts} prompts")
     if args.cuda_graphs and not args.device.startswith("cuda"):
-        parser.error(f"--cuda-graphs needs --device cuda, got --device {args.device}")
+        raise InputError(f"--cuda-graphs needs --device cuda, got --device {args.device}")
 
 
-def check_linear_only(parser: argparse.ArgumentParser, args: argparse.Namespace, encoded: List[List[int]],
-                      vocab_size: int) -> None:
+def check_linear_only(args: argparse.Namespace, encoded: List[List[int]], vocab_size: int) -> None:
     """--no-kv-cache: no position the schedule feeds may read attention (checked before generating)."""
-    try:
-        schedule_prompts(encoded, args.schedule, args.max_new_tokens, vocab_size, "cpu").require_linear_only()
-    except ValueError as e:
-        parser.error(str(e))
+    schedule_prompts(encoded, args.schedule, args.max_new_tokens, vocab_size, "cpu").require_reads(Mode.LINEAR,
+                                                                                                   NO_KV_CACHE)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _main(argv: List[str]) -> int:
+    args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
-        parser.error(f"argument --max-new-tokens: must be >= 1, got {args.max_new_tokens}")
-    try:
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    except ValueError as e:
-        parser.error(str(e))
-    prompts = read_prompts(parser, args)
-    check_decoding(parser, args, len(prompts))
-    model, run = load_checkpoint(parser, args)
-    try:
-        tokenizer = dataset_tokenizer(run, args.tokenizer)
-        stops = stop_ids(tokenizer, args.stop)
-    except (OSError, ValueError, PrepError) as e:
-        parser.error(str(e))
+        raise InputError(f"argument --max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    prompts = read_prompts(args)
+    check_decoding(args, len(prompts))
+    model, run = load_checkpoint(args)
+    tokenizer = dataset_tokenizer(run, args.tokenizer)
+    stops = stop_ids(tokenizer, args.stop)
     if tokenizer.vocab_size > run.model.vocab_size:  # its ids would index past the model's embedding
-        parser.error(f"the tokenizer's vocab ({tokenizer.vocab_size}) is larger than the model's "
+        raise InputError(f"the tokenizer's vocab ({tokenizer.vocab_size}) is larger than the model's "
                      f"model.vocab_size={run.model.vocab_size} ({args.checkpoint})")
     encoded = [ids.tolist() for ids in tokenizer.encode_batch(prompts)]
     if any(not ids for ids in encoded):
-        parser.error("a prompt encodes to no tokens")
+        raise InputError("a prompt encodes to no tokens")
     longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
     total = len(encoded[longest]) + args.max_new_tokens
     if total > run.model.max_sequence_length:
-        parser.error(f"prompt {longest}: {len(encoded[longest])} tokens + --max-new-tokens {args.max_new_tokens} = "
+        raise InputError(f"prompt {longest}: {len(encoded[longest])} tokens + --max-new-tokens {args.max_new_tokens} = "
                      f"{total} exceeds the model's max_sequence_length {run.model.max_sequence_length}")
     if not args.kv_cache:
-        check_linear_only(parser, args, encoded, tokenizer.vocab_size)
+        check_linear_only(args, encoded, tokenizer.vocab_size)
     common = dict(sampling=sampling, stop_token_ids=stops, vocab_size=tokenizer.vocab_size,
                   cuda_graphs=args.cuda_graphs, reset_at_eod=document_reset_id(run))
     if args.speculative:
@@ -171,6 +164,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("=== stats")
     print(format_stats(result.stats))
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run_command("oryx-generate", _main, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,4 @@
-"""oryx-params: parameter counts of a model recipe, and how much the two modes share.
-
-    oryx-params model=oryx_tg_1_4b
+"""Parameter counts of a model recipe, and how much the two modes share (``oryx-params``).
 
 The model is built on the meta device (no weights are allocated), so the counts are
 those of the real modules. Two tied fractions per mode (attention, linear):
@@ -20,7 +18,6 @@ fraction tests/test_params.py holds to >= 0.90 (0.93-0.95 at the recipe scales).
 alone ties about 0.80 at every recipe scale: in that reading the claim does not hold here.
 """
 
-import sys
 from collections import Counter
 from typing import Dict, List
 
@@ -37,7 +34,7 @@ COMPONENTS = ("embedding", "router", "mixer", "mlp", "norm", "output_layer")
 
 
 def load_model_args(overrides: List[str]) -> ModelArgs:
-    """Compose recipes/oryx_params.yaml with Hydra overrides, checked against ModelArgs."""
+    """Compose oryx_megatron/recipes/oryx_params.yaml with Hydra overrides, checked against ModelArgs."""
     with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
         cfg = compose("oryx_params", overrides=overrides)
     schema = OmegaConf.structured(ModelArgs)
@@ -102,33 +99,3 @@ def parameter_report(args: ModelArgs) -> dict:
         mixer_tied_fraction=mixer_fractions,
         mixer_shared_fraction=min(mixer_fractions.values()),
     )
-
-
-def main(argv=None) -> None:
-    overrides = sys.argv[1:] if argv is None else argv
-    args = load_model_args(overrides)
-    report = parameter_report(args)
-    config, counts = report["config"], report["counts"]
-    print(f"model: family={args.family} layers={args.num_layers} hidden={args.hidden_size} "
-          f"heads={args.num_attention_heads} d_k={config.kv_channels} "
-          f"d_v={getattr(config, 'value_head_dim', config.kv_channels)} ffn={config.ffn_hidden_size} "
-          f"vocab={args.vocab_size} tied_embeddings={args.share_embeddings_and_output_weights}")
-    print(f"total_params={report['total']:,}")
-    for component in COMPONENTS + ("other",):
-        if counts.get(component):
-            print(f"  {component:<16}{counts[component]:>15,}")
-    for use in ("shared", "attention", "linear"):
-        print(f"  mixer_{use:<10}{counts.get(f'mixer_{use}', 0):>15,}")
-    print("# whole model: parameters both modes use / all parameters the mode uses")
-    for mode, fraction in report["tied_fraction"].items():
-        print(f"tied_fraction[{mode}]={fraction:.4f}")
-    print(f"shared_fraction={report['shared_fraction']:.4f}")
-    print("# mixer alone: shared mixer parameters / mixer parameters the mode uses")
-    for mode, fraction in report["mixer_tied_fraction"].items():
-        print(f"mixer_tied_fraction[{mode}]={fraction:.4f}")
-    print(f"mixer_shared_fraction={report['mixer_shared_fraction']:.4f}")
-    print(f"single_mixer_fraction={report['single_mixer_fraction']:.4f}")
-
-
-if __name__ == "__main__":
-    main()

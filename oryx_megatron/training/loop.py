@@ -1,41 +1,25 @@
-"""oryx-train: pretrain an Oryx (or baseline) language model on megatron-core.
-
-    oryx-train recipe=oryx_tg_130m checkpoint.dir=/ckpt/run1 optimizer.lr=3e-3
-    torchrun --nproc-per-node 8 -m oryx_megatron.train recipe=oryx_tg_1_4b parallel.tensor_model_parallel_size=2
-    oryx-train -m recipe=oryx_tg_130m optimizer.lr=1e-3,3e-3 hydra/launcher=slurm
+"""The training run of ``oryx-train`` (``oryx_megatron.cli.train``): ``pretrain`` and its ``Trainer``.
 
 The run, top to bottom (``Trainer``): parallel state -> model chunks in megatron DDP ->
 optimizer and LR schedule -> data -> resume from `latest` -> loop [train step, log, eval,
-save, preemption] -> final save, eval and loss-curve PNG.
+save, preemption] -> final save, eval and loss-curve PNG. One step's pieces are in ``steps``.
 """
 
-import collections
 import logging
-import math
-import os
 import secrets
-import shutil
-import sys
 import time
 from contextlib import ExitStack
-from functools import partial
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
-import hydra
 import torch
 import torch.distributed as dist
-from hydra.core.hydra_config import HydraConfig
 from megatron.core import parallel_state
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from oryx_megatron import RECIPES_DIR
 from oryx_megatron.compat.cpu import cuda_to_cpu
-from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import build_mode_schedule
-from oryx_megatron.launch import REQUEUE_EXIT_CODE, exit_for_requeue
+from oryx_megatron.launch import REQUEUE_EXIT_CODE
 from oryx_megatron.models import flops
 from oryx_megatron.parallel import current_device, initialize_parallel
 from oryx_megatron import checkpoint
@@ -47,52 +31,21 @@ from oryx_megatron.training.builders import (
     build_scheduler,
     model_config,
 )
-from oryx_megatron.run_config import ConfigError, TrainConfig, load_train_config, train_iters
-from oryx_megatron.training.validation import validate_run
+from oryx_megatron.run_config import TrainConfig, train_iters
 from oryx_megatron.training.metrics import MetricsLogger, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
 from oryx_megatron.training.router import RouterTrainer
+from oryx_megatron.training.steps import (
+    Interval,
+    LossSpikeDetector,
+    all_finite,
+    clip_grads,
+    forward_backward,
+    loss_metrics,
+    sum_losses,
+)
 
 logger = logging.getLogger("oryx_megatron.train")
-
-
-@hydra.main(config_path=str(RECIPES_DIR), config_name="train", version_base=None)
-def main(cfg: DictConfig) -> None:
-    run = _validated_run(cfg)  # a bad key, value or dataset fails here, before any process group or model
-    output_dir = run.logging.output_dir or HydraConfig.get().runtime.output_dir
-    if pretrain(run, output_dir) == REQUEUE_EXIT_CODE:
-        exit_for_requeue()  # the checkpoint is complete on every rank
-
-
-def _validated_run(cfg: DictConfig) -> TrainConfig:
-    """The run config, checked (``validate_run``) before anything is built. A ConfigError is one
-    line on stderr (``oryx-train: error: ...``), exit 2, and the run directory Hydra created for
-    this invocation is removed; ``ORYX_DEBUG=1`` raises it with its traceback instead."""
-    try:
-        run = load_train_config(cfg)
-        validate_run(run)
-        return run
-    except ConfigError as e:
-        if os.environ.get("ORYX_DEBUG", "") not in ("", "0"):
-            raise
-        _remove_fresh_run_dir(HydraConfig.get().runtime.output_dir)
-        print(f"oryx-train: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
-def _remove_fresh_run_dir(run_dir: str) -> None:
-    """Remove Hydra's run directory if it holds nothing but what Hydra wrote at start (``.hydra/``
-    and the job log); a directory with anything else (checkpoints, metrics) is left alone."""
-    path = Path(run_dir)
-    if not path.is_dir() or any(f.name != ".hydra" and not (f.is_file() and f.suffix == ".log")
-                                for f in path.iterdir()):
-        return
-    shutil.rmtree(path, ignore_errors=True)
-    date, runs = path.parent, path.parent.parent  # the default runs/<date>/<time>: those folders too, if now empty
-    if runs.name == "runs":
-        for folder in (date, runs):
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
 
 
 def pretrain(run: TrainConfig, output_dir: str) -> int:
@@ -245,20 +198,20 @@ class Trainer:
 
     def train_step(self) -> Tuple[torch.Tensor, Optional[float]]:
         """One optimizer step over the global batch (micro-batched, pipelined) and one LR step;
-        returns the loss sums (see ``_loss_sums``) and the gradient norm. A non-finite loss or
+        returns the loss sums (see ``sum_losses``) and the gradient norm. A non-finite loss or
         gradient norm on any rank skips the update (weights, optimizer state and LR schedule
         unchanged, as Megatron does on an fp16 overflow) on every rank: returns (zeros, None)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = _forward_backward(self.run, self.model, self.loaders, forward_only=False)
-        loss_sums = _loss_sums(reports)
+        reports = forward_backward(self.run, self.model, self.loaders, forward_only=False)
+        loss_sums = sum_losses(reports)
         found_inf = self.optimizer.prepare_grads()  # only an fp16 loss scaler checks; bf16/fp32 do not
         grad_norm = self.optimizer.get_grad_norm()
         self.iteration += 1
-        if not _all_finite(loss_sums, grad_norm, found_inf):
+        if not all_finite(loss_sums, grad_norm, found_inf):
             return torch.zeros_like(loss_sums), None
-        _clip_grads(self.optimizer, grad_norm)
+        clip_grads(self.optimizer, grad_norm)
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
         if self.run.router.mode == "joint":  # the price of attention rises while the fraction exceeds the budget
@@ -270,7 +223,7 @@ class Trainer:
     def log(self, interval: "Interval") -> None:
         """Means over the steps since the last log line: losses, grad norm, LR, throughput, memory."""
         elapsed, world = interval.seconds_per_step(), dist.get_world_size()
-        report = _loss_metrics(interval.loss_sums, "train") if interval.grad_norms else {}  # all skipped: no loss
+        report = loss_metrics(interval.loss_sums, "train") if interval.grad_norms else {}  # all skipped: no loss
         step_flops = flops.train_step_flops(flops.step_shape(  # the attention term: the fraction of tokens read
             self.config, self.matmul_params, self.run.data.seq_length, self.run.train.global_batch_size,
             read_fraction=report.get("train/attention_fraction", 1.0)))
@@ -299,8 +252,8 @@ class Trainer:
                 loader.load_state_dict(start)
             reports = []
             for _ in range(self.run.train.eval_iters):
-                reports += _forward_backward(self.run, self.model, loaders, forward_only=True)
-            results[f"eval/loss_{name}"] = _loss_metrics(_loss_sums(reports), "eval")["eval/loss"]
+                reports += forward_backward(self.run, self.model, loaders, forward_only=True)
+            results[f"eval/loss_{name}"] = loss_metrics(sum_losses(reports), "eval")["eval/loss"]
         for chunk in self.model:
             chunk.train()
         return results
@@ -316,152 +269,8 @@ class Trainer:
             logger.info("saved %s", path)
 
 
-def _forward_backward(run: TrainConfig, model, loaders, forward_only: bool) -> List[dict]:
-    t = run.train
-    num_microbatches = t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
-    iterators = loaders if len(loaders) > 1 else loaders[0]
-    joint = run.router.mode == "joint" and not forward_only  # evaluation keeps its schedules
-    return get_forward_backward_func()(
-        forward_step_func=partial(_routed_forward_step, run.model.router_chunk_size) if joint else _forward_step,
-        data_iterator=iterators,
-        model=model if len(model) > 1 else model[0],
-        num_microbatches=num_microbatches,
-        seq_length=run.data.seq_length,
-        micro_batch_size=t.micro_batch_size,
-        forward_only=forward_only,
-    )
-
-
-def get_batch(data_iterator, device: torch.device) -> Dict[str, torch.Tensor]:
-    """The next micro-batch on ``device``; to a GPU from pinned host memory, without blocking."""
-    batch = next(data_iterator)
-    pin = device.type == "cuda"
-    return {key: (t.pin_memory() if pin else t).to(device, non_blocking=pin) for key, t in batch.items()}
-
-
-def _forward_step(data_iterator, model):
-    batch = get_batch(data_iterator, current_device())
-    output = model(batch["tokens"], batch["modes"], labels=batch["labels"], document_ids=batch.get("document_ids"))
-    return output, partial(_loss, batch["loss_mask"], batch["modes"])
-
-
-def _routed_forward_step(chunk_size: int, data_iterator, model):
-    """router=joint: each chunk's mode drawn from the router, p = sigmoid(logit), a ~ Bernoulli(p);
-    the layers read with weights a + p - stop_gradient(p) (a in value: the LM loss reaches the router
-    through attention read minus linear read, straight-through), and the loss adds the price of
-    attention: price x each reading token's attention FLOPs (its position + 1, relative to the mean)."""
-    batch = get_batch(data_iterator, current_device())
-    tokens, docs = batch["tokens"], batch.get("document_ids")
-    s = tokens.shape[1]
-    router = model.module.router
-    p = torch.sigmoid(model.module.route(tokens, chunk_size, docs).float())  # [b, n]
-    weights = (torch.bernoulli(p.detach()) + p - p.detach()).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]
-    flops = torch.arange(1, s + 1, device=tokens.device, dtype=torch.float32) / ((s + 1) / 2)  # [s], mean 1
-    output = model(tokens, labels=batch["labels"], document_ids=docs, router_weights=weights)
-    return output, partial(_loss, batch["loss_mask"], weights, attention_cost=router.price.float() * weights * flops)
-
-
-def _loss(loss_mask, modes, per_token_loss, attention_cost=None):
-    """Token-summed loss and token count (megatron divides by the global count), plus the
-    sums over attention-mode tokens for per-mode logging. ``attention_cost`` [b, s] (router=joint):
-    added to each masked token's loss (the reported sums stay the LM loss's)."""
-    mask = loss_mask.float()
-    losses = per_token_loss.float() * mask
-    attention = (modes == Mode.ATTENTION).float() * mask
-    total, count = losses.sum(), mask.sum()
-    report = torch.stack([total, count, (losses * attention).sum(), attention.sum()]).detach()
-    if attention_cost is not None:
-        total = total + (attention_cost * mask).sum()
-    return total, count.int(), {"loss_sums": report}
-
-
-class Interval:
-    """Loss sums, gradient norms and wall time of the steps since the last log line, and the
-    steps skipped (non-finite) and loss spikes among them."""
-
-    def __init__(self):
-        self.start, self.loss_sums, self.grad_norms = time.perf_counter(), 0, []
-        self.steps = self.skipped = self.spikes = 0
-
-    def add(self, loss_sums: torch.Tensor, grad_norm: Optional[float]) -> None:
-        """One step; ``grad_norm`` None: a skipped step (its loss is not averaged)."""
-        self.steps += 1
-        if grad_norm is None:
-            self.skipped += 1
-        else:
-            self.loss_sums, self.grad_norms = self.loss_sums + loss_sums, self.grad_norms + [grad_norm]
-
-    def seconds_per_step(self) -> float:
-        return (time.perf_counter() - self.start) / max(self.steps, 1)
-
-    def mean_grad_norm(self) -> float:
-        return sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
-
-
 class NumericalFault(RuntimeError):
     """train.max_skipped_steps optimizer steps in a row had a non-finite loss or gradient."""
-
-
-class LossSpikeDetector:
-    """Flags (logs) a loss above mean + ``threshold`` standard deviations of the previous
-    ``window`` finite losses (once ``window // 2`` are known); threshold <= 0 disables it. A
-    spike is only reported: the step is taken (a non-finite loss is skipped instead)."""
-
-    def __init__(self, window: int, threshold: float):
-        self.losses, self.threshold = collections.deque(maxlen=max(window, 2)), threshold
-
-    def add(self, iteration: int, loss: float) -> bool:
-        history, spike = self.losses, False
-        if self.threshold > 0 and len(history) >= max(history.maxlen // 2, 2):
-            mean = sum(history) / len(history)
-            std = (sum((x - mean) ** 2 for x in history) / len(history)) ** 0.5
-            if loss > mean + self.threshold * std:
-                spike = True
-                logger.warning("iteration %d: loss spike %.4f > mean %.4f + %g x std %.4f of the last %d steps",
-                               iteration, loss, mean, self.threshold, std, len(history))
-        history.append(loss)
-        return spike
-
-
-def _all_finite(loss_sums: torch.Tensor, grad_norm, found_inf: bool) -> bool:
-    """Whether the loss and gradient norm are finite on every rank (one all-reduce)."""
-    bad = bool(found_inf) or not torch.isfinite(loss_sums).all().item() or not math.isfinite(float(grad_norm))
-    flag = torch.tensor([float(bad)], device=current_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0
-
-
-def _clip_grads(optimizer, grad_norm: float) -> None:
-    """What megatron's ``optimizer.step()`` does between ``prepare_grads`` and the update:
-    clip by the total norm already computed."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
-        if params and opt.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
-                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-
-
-def _loss_sums(reports: List[dict]) -> torch.Tensor:
-    """[loss sum, tokens, attention-mode loss sum, attention-mode tokens] of the global batch
-    (micro-batches summed, all-reduced over data-parallel ranks); zeros off the last stage."""
-    sums = torch.zeros(4, dtype=torch.float64, device=current_device())
-    if reports:
-        sums = torch.stack([r["loss_sums"] for r in reports]).sum(0).double()
-        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-    return sums
-
-
-def _loss_metrics(sums: torch.Tensor, split: str) -> Dict[str, float]:
-    total, count, attn_total, attn_count = sums.tolist()
-    if not count:  # not the last pipeline stage: nothing to report
-        return {}
-    lin_count = count - attn_count
-    return {
-        f"{split}/loss": total / count,
-        f"{split}/loss_attention": attn_total / attn_count if attn_count else float("nan"),
-        f"{split}/loss_linear": (total - attn_total) / lin_count if lin_count else float("nan"),
-        f"{split}/attention_fraction": attn_count / count,
-    }
 
 
 def _agree_on_paths(output_dir: str, ckpt_dir):
@@ -487,10 +296,3 @@ def _check_vocab(run: TrainConfig, loader) -> None:
             f"vocab ({data_vocab}, {run.data.data_path})"
         )
 
-
-if __name__ == "__main__":
-    # `python -m oryx_megatron.train`: run the importable module's main, so that a submitit sweep
-    # pickles it by reference (cloudpickle copies __main__'s functions and classes by value).
-    from oryx_megatron.train import main as importable_main
-
-    importable_main()

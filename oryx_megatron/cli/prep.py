@@ -8,15 +8,15 @@
 
 import argparse
 import os
-import shutil
 import sys
-from collections import Counter
 from pathlib import Path
+from typing import List, Optional
 
-from data_prep import PrepError
-from data_prep.inputs import InputOptions, Piece, check_text_inputs, expand_inputs, iter_documents, stdlib_files
-from data_prep.pipeline import tokenize_corpus
-from data_prep.tokenizer import EOD_TOKEN, ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
+from oryx_megatron.cli.errors import command_parser, run_command
+from oryx_megatron.data.prep import PrepError
+from oryx_megatron.data.prep.inputs import InputOptions, check_text_inputs, expand_inputs, stdlib_files
+from oryx_megatron.data.prep.pipeline import tokenize_dataset, train_corpus_tokenizer
+from oryx_megatron.data.prep.tokenizer import EOD_TOKEN, ByteTokenizer, HFTokenizer
 from oryx_megatron.data.shards import Manifest, read_documents
 
 
@@ -59,61 +59,19 @@ def _inputs(args):
     return files, options
 
 
-def _train(files, options, vocab_size: int, out: Path) -> HFTokenizer:
-    counts = Counter()
-    seen = [0]
-
-    def texts():
-        for f in files:
-            for text in iter_documents(Piece(str(f)), options, counts):
-                seen[0] += 1
-                yield text
-
-    print(f"training a byte-level BPE (vocab {vocab_size}) on {len(files)} files -> {out}")
-    created = not out.parent.exists()
-    tokenizer = train_bpe(texts(), vocab_size, out)
-    if seen[0] == 0:  # an empty corpus trains a bytes-only BPE: refuse it
-        out.unlink(missing_ok=True)
-        if created:
-            shutil.rmtree(out.parent, ignore_errors=True)
-        skipped = ", ".join(f"{k.removeprefix('skipped_')} {n}" for k, n in sorted(counts.items()) if k.startswith("skipped"))
-        raise PrepError(f"the {len(files)} input files hold no documents to train a tokenizer on"
-                        f" (skipped: {skipped or 'none'})")
-    return tokenizer
-
-
 def _train_tokenizer(args):
     files, options = _inputs(args)
-    _train(files, options, args.vocab_size, Path(args.out))
+    train_corpus_tokenizer(files, options, args.vocab_size, Path(args.out))
 
 
 def _tokenize(args):
     files, options = _inputs(args)
-    out = Path(args.out)
-    created = not out.exists()
-    try:
-        _tokenize_into(args, files, options)
-    except BaseException:
-        if created:  # nothing of a failed run is left in --out
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-
-
-def _tokenize_into(args, files, options):
-    if args.tokenizer:
-        tokenizer = load_tokenizer(args.tokenizer, args.eod_token)
-    elif (Path(args.out) / "tokenizer.json").exists():  # trained by an earlier, interrupted run
-        tokenizer = HFTokenizer(Path(args.out) / "tokenizer.json", args.eod_token)
-    else:
-        tokenizer = _train(files, options, args.vocab_size, Path(args.out) / "tokenizer.json")
-    tokenize_corpus(files, args.out, tokenizer, shard_bytes=args.shard_size, workers=args.workers, options=options)
+    tokenize_dataset(files, Path(args.out), args.tokenizer, args.vocab_size, args.eod_token,
+                     shard_bytes=args.shard_size, workers=args.workers, options=options)
 
 
 def _inspect(args):
-    try:
-        manifest = Manifest.read(args.dataset)
-    except (OSError, ValueError) as e:
-        raise PrepError(str(e)) from None
+    manifest = Manifest.read(args.dataset)
     print(f"{manifest.root}: {len(manifest.shards)} shards, {manifest.documents:,} documents, "
           f"{manifest.tokens:,} tokens ({manifest.token_dtype})")
     print(f"tokenizer: {manifest.tokenizer}, vocab {manifest.vocab_size}, EOD id {manifest.eod_id}")
@@ -126,10 +84,9 @@ def _inspect(args):
             print(f"--- document {i}: {len(ids)} tokens\n{text[:500]}{' [...]' if len(text) > 500 else ''}")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     inputs = _input_arguments()
-    parser = argparse.ArgumentParser(prog="oryx-prep", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = command_parser("oryx-prep", __doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("train-tokenizer", parents=[inputs], help="train a byte-level BPE on a corpus")
@@ -152,13 +109,17 @@ def main(argv=None) -> int:
     p.add_argument("--show", type=int, default=1, help="documents of the first shard to decode (default: 1)")
     p.set_defaults(run=_inspect)
 
-    args = parser.parse_args(argv)
-    try:
-        args.run(args)
-    except PrepError as e:
-        print(f"oryx-prep: error: {e}", file=sys.stderr)
-        return 1
+    return parser
+
+
+def _main(argv: List[str]) -> int:
+    args = build_parser().parse_args(argv)
+    args.run(args)
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run_command("oryx-prep", _main, argv)
 
 
 if __name__ == "__main__":
