@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test test-py312 test-kernels demo experiments experiments-large venv clean
+.PHONY: test test-py312 test-kernels demo experiments experiments-large venv clean gpu-check gpu-stamp
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,7 +56,7 @@ demo: venv data/stdlib/manifest.json
 data/stdlib/manifest.json: | venv
 	$(VENV)/bin/oryx-prep tokenize --stdlib --out data/stdlib --vocab-size 4096 --shard-size 4M --workers 2
 
-# The paper-claim experiments of docs/results.md (recipes/experiment/), in dependency order
+# The paper-claim experiments of docs/results.md (oryx_megatron/recipes/experiment/), in dependency order
 # (E3 evaluates E1's runs; NIAH and the ablations E2's). Outputs in runs/experiments/<name>/.
 # `experiments`: the sizes a 2-core CPU runs in ~3 h; `experiments-large`: the issue's E1
 # sizes (4 layers, 256 tokens; ~16 h on 2 CPU cores: a GPU's job).
@@ -70,7 +70,12 @@ experiments-large: venv
 # The GPU check (docs/gpu.md): kernels, model, training, performance -> runs/gpu_check/report.{json,md}.
 # Without CUDA a CPU dry run. Extra flags: make gpu-check ARGS="--toy --out /tmp/gc"; bare GPU machine: PY=python3.
 gpu-check:
-	$(PY) -m oryx_megatron.tools.gpu_check $(ARGS)
+	$(PY) -m oryx_megatron.cli.gpu_check $(ARGS)
+
+# Before a call to the GPU machine (docs/gpu.md, "The call"): the commit the results belong to, in .gpu/source.json
+# (.git may not travel; .gpu/ is carried).
+gpu-stamp:
+	$(PY) -m oryx_megatron.checks.provenance
 
 # fla's and mamba-ssm's real Triton kernels under Triton's interpreter on CPU, through ops/cuda.py,
 # against the torch ops (docs/gpu.md, "Kernels on CPU"). Run it before any change to oryx_megatron/ops/.
@@ -95,9 +100,11 @@ $(KVENV)/.installed: pyproject.toml
 	echo '"""$(MAMBA_SSM) sources: its Triton ops; nothing imported here."""' > $(KVENV)/mamba/site/mamba_ssm/__init__.py
 	touch $@
 
-# TRITON_INTERPRET must be set before triton is imported: its own pytest process.
+# TRITON_INTERPRET must be set before triton is imported: its own pytest process. The peer references (fla's naive
+# GDN, mamba-ssm's ssd_minimal: independent oracles of the torch scans) run here too, where both libraries are.
 test-kernels: $(KVENV)/.installed
-	TRITON_INTERPRET=1 PYTHONPATH=$(KVENV)/mamba/site $(KPY) -m pytest -q tests/kernels
+	TRITON_INTERPRET=1 ORYX_PEER_REFERENCES=required PYTHONPATH=$(KVENV)/mamba/site $(KPY) -m pytest -q \
+		tests/kernels tests/ops/test_ops_peer_references.py
 
 clean:
 	rm -rf $(VENV) $(KVENV) $(PY312_VENV) build *.egg-info

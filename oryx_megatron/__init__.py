@@ -2,4 +2,4 @@
 
 from pathlib import Path
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # the Hydra config tree
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"  # the Hydra config tree, package data of the wheel

@@ -1,4 +1,4 @@
-"""The structured schema of ``oryx-train``'s config (recipes/train.yaml and its groups).
+"""The structured schema of ``oryx-train``'s config (oryx_megatron/recipes/train.yaml and its groups).
 
 Hydra composes the YAML onto this schema (``train_schema``), and ``load_train_config``
 checks the values, so a misspelled key, a wrong type or a bad value fails before any
@@ -130,7 +130,7 @@ class TrainConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
 
 
-# recipes/train.yaml lists this schema first in its defaults: every composed key is typed.
+# oryx_megatron/recipes/train.yaml lists this schema first in its defaults: every composed key is typed.
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 CHOICES = {

@@ -35,9 +35,9 @@ def corpus(tmp_path_factory):
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from data_prep.inputs import InputOptions, stdlib_files
-    from data_prep.pipeline import tokenize_corpus
-    from data_prep.tokenizer import ByteTokenizer
+    from oryx_megatron.data.prep.inputs import InputOptions, stdlib_files
+    from oryx_megatron.data.prep.pipeline import tokenize_corpus
+    from oryx_megatron.data.prep.tokenizer import ByteTokenizer
 
     root = tmp_path_factory.mktemp("corpus")
     files = stdlib_files()[:60]
@@ -51,13 +51,25 @@ def corpus(tmp_path_factory):
     return {"shards": str(root / "shards"), "indexed": str(root / "indexed"), "shard_count": len(manifest.shards)}
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint(corpus, tmp_path_factory):
-    """A run's checkpoint.dir after 20 iterations of the tiny Oryx-TG (seq 64, byte vocab)."""
-    from oryx_megatron.train import pretrain
+def trained_checkpoint(corpus, tmp_path_factory, name: str, *overrides: str) -> str:
+    """The checkpoint.dir of a tiny run (seq 64, byte vocab; tests/test_train.py's) with ``overrides``."""
+    from oryx_megatron.training.loop import pretrain
     from tests.test_train import run_config
 
-    tmp = tmp_path_factory.mktemp("tiny_ckpt")
-    run = run_config(corpus, tmp, "train.train_iters=20", "optimizer.lr=1e-2", "checkpoint.save_at_end=true")
+    tmp = tmp_path_factory.mktemp(name)
+    run = run_config(corpus, tmp, *overrides, "checkpoint.save_at_end=true")
     assert pretrain(run, str(tmp / "out")) == 0
     return str(tmp / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(corpus, tmp_path_factory):
+    """A run's checkpoint.dir after 20 iterations of the tiny Oryx-TG."""
+    return trained_checkpoint(corpus, tmp_path_factory, "tiny_ckpt", "train.train_iters=20", "optimizer.lr=1e-2")
+
+
+@pytest.fixture(scope="session")
+def transformer_checkpoint(corpus, tmp_path_factory):
+    """A run's checkpoint.dir after 4 iterations of the tiny Transformer baseline."""
+    return trained_checkpoint(corpus, tmp_path_factory, "transformer_ckpt", "model.family=transformer",
+                              "train.train_iters=4")

@@ -1,4 +1,5 @@
-"""tools/bench/bench_train_step.py: the CPU toy run's table, the FLOP formula, argument errors."""
+"""benchmarks/bench_train_step.py: the CPU toy run's table, its recomputation rows, argument errors (the FLOP
+model it counts with: tests/test_flops.py)."""
 
 import json
 import os
@@ -9,24 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.bench.bench_train_step import (
-    COLUMNS,
-    StepShape,
-    attention_flops,
-    main,
-    matmul_params,
-    packed_documents,
-    train_step_flops,
-)
+from benchmarks.bench_train_step import COLUMNS, main, packed_documents
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = StepShape(matmul_params=1000, num_layers=2, heads=4, d_k=8, d_v=16, seq=16, micro_batch=2,
-                  attention_fraction=1.0, linear_scan=True)
 
 
 def test_cpu_toy_run_prints_every_family_and_the_baseline_ratio(tmp_path):
     out = tmp_path / "rows.json"
-    command = [sys.executable, "tools/bench/bench_train_step.py", "--model-size", "tiny", "--seq", "256",
+    command = [sys.executable, "benchmarks/bench_train_step.py", "--model-size", "tiny", "--seq", "256",
                "--micro-batch", "2", "--repeats", "2", "--json", str(out)]
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="offline")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -45,12 +36,14 @@ def test_cpu_toy_run_prints_every_family_and_the_baseline_ratio(tmp_path):
     assert [r["model"] for r in rows] == models and rows[0]["vs_transformer"] == 1.0
     on_cpu = not torch.cuda.is_available()
     assert all(r["flops"] > 0 and (r["peak_memory_gib"] is None) == on_cpu for r in rows)
+    read = {r["model"]: r["attention_read"] for r in rows}  # the FLOP model's f
+    assert (read["transformer"], read["attn_only_oryx"], read["mamba2"], read["gdn"]) == (1.0, 1.0, 0.0, 0.0)
 
 
 def test_recomputation_rows_report_the_activations_they_save(tmp_path):
     """act GiB is measured on every device: selective keeps less than none, full less than both."""
     out = tmp_path / "rows.json"
-    command = [sys.executable, "tools/bench/bench_train_step.py", "--families", "oryx_tg", "--p-attention", "0.5",
+    command = [sys.executable, "benchmarks/bench_train_step.py", "--families", "oryx_tg", "--p-attention", "0.5",
                "--seq", "128", "--chunk", "64", "--repeats", "1", "--recompute", "none", "selective", "full",
                "--json", str(out), "--profile", str(tmp_path / "profile")]
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="offline")
@@ -63,34 +56,6 @@ def test_recomputation_rows_report_the_activations_they_save(tmp_path):
     assert 0 < act["full"] < act["selective"] < act["none"]
     rows = [r for r in json.loads(out.read_text())["rows"] if r["recompute"] != "none"]
     assert all(-1 < r["act_vs_none"] < 0 for r in rows if r["model"] == "oryx_tg")
-
-
-def test_train_step_flops_by_hand():
-    matmul = 6 * 1000 * 16 * 2  # 6 x P x s x b
-    attention = 3 * 16 * 16 * 4 * (8 + 16) * 2 * 2  # 3 x s^2 x h x (d_k + d_v) x L x b
-    scan = 12 * 16 * 4 * 8 * 16 * 2 * 2  # 12 x s x h x d_k x d_v x L x b
-    assert (matmul, attention, scan) == (192_000, 294_912, 393_216)
-    assert train_step_flops(SHAPE) == 880_128
-    no_linear_mixer = StepShape(**{**SHAPE.__dict__, "linear_scan": False})
-    assert train_step_flops(no_linear_mixer) == 192_000 + 294_912
-
-
-@pytest.mark.parametrize("fraction", [0.5, 0.25, 0.0])
-def test_attention_flops_scale_with_the_attention_fraction(fraction):
-    shape = StepShape(**{**SHAPE.__dict__, "attention_fraction": fraction})
-    assert attention_flops(shape) == round(294_912 * fraction)
-    assert train_step_flops(shape) == 192_000 + round(294_912 * fraction) + 393_216
-
-
-@pytest.mark.usefixtures("single_process_parallel")
-def test_matmul_params_count_every_linear_and_the_tied_output_layer():
-    from oryx_megatron.models.builder import build_model, transformer_config
-    from tests.helpers import tiny_args
-
-    args = tiny_args("transformer")  # hidden 64, 4 heads x 16, MLP 128, vocab 97 -> 128, 2 layers
-    model = build_model(args, transformer_config(args, params_dtype=torch.float32))
-    qkv, proj, fc1, fc2 = 64 * 3 * 64, 64 * 64, 64 * 2 * 128, 128 * 64
-    assert matmul_params(model) == 2 * (qkv + proj + fc1 + fc2) + 128 * 64 == 90_112
 
 
 def test_unknown_model_size_names_the_value(capsys):

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 
 from oryx_megatron import RECIPES_DIR, checkpoint
 from oryx_megatron.run_config import load_train_config
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 from tests.test_train import losses
 
 RUN = ["model=tiny_oryx_tm", "model.num_layers=2", "data=mqar", "data.seq_length=32", "data.mqar_vocab_size=64",

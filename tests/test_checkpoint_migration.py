@@ -14,7 +14,7 @@ from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 from oryx_megatron.checkpoint import RUN_CONFIG
 from oryx_megatron.inference.checkpoint import load_model
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 from tests.test_train import losses, run_config
 
 OLD_SPELLING = ((".in_proj.", ".linear_in."), (".out_proj.", ".linear_out."), (".linear_mixer.", "."))

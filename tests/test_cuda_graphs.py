@@ -37,3 +37,25 @@ def test_cpu_generation_is_graph_free(model, monkeypatch):
 def test_cuda_graphs_on_cpu_is_a_clear_error(model):
     with pytest.raises(ValueError, match=r"cuda_graphs=True needs the model on a CUDA device; it is on cpu"):
         generate(model, [[1, 2, 3]], "all_attention", 4, vocab_size=97, cuda_graphs=True)
+
+
+def test_a_capture_that_raises_falls_back_to_the_eager_step_and_says_why(model, caplog):
+    """On a GPU a capture can fail (a kernel that cannot be captured, a machine never tried): the
+    generation goes on eagerly, the caches as they were, the error kept. Here the capture fails for
+    real: there is no CUDA to capture on."""
+    from oryx_megatron.config import Mode
+    from oryx_megatron.inference.forward import cached_logits
+
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    caches = {name: model.allocate_inference_cache(2, torch.float64) for name in ("graphed", "eager")}
+    for cache in caches.values():
+        cached_logits(model, prompt, Mode.ATTENTION, cache)
+    graphed, eager = GraphedDecodeStep(model, caches["graphed"]), decode_step(model, caches["eager"], False)
+    with caplog.at_level("WARNING", logger="oryx_megatron.inference.cuda_graphs"):
+        for token in (7, 8, 9):
+            ids = torch.full((2, 1), token)
+            assert torch.equal(graphed(ids, Mode.ATTENTION), eager(ids, Mode.ATTENTION))
+    assert graphed.capture_error is not None and not graphed.graphs
+    assert f"CUDA-graph capture failed, decoding eagerly from here on: {graphed.capture_error}" in caplog.text
+    assert caplog.text.count("CUDA-graph capture failed") == 1  # tried once, then eager
+    assert [c.seqlen for c in caches["graphed"]] == [c.seqlen for c in caches["eager"]] == [6] * len(caches["eager"])

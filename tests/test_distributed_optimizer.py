@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from oryx_megatron.checks.chaos.compare import compare_checkpoints
 from oryx_megatron.run_config import ConfigError
-from oryx_megatron.tools.chaos_train import compare_checkpoints
-from oryx_megatron.train import pretrain
 from oryx_megatron.training import checkpointing
+from oryx_megatron.training.loop import pretrain
 from tests.distributed import run_distributed
 from tests.test_train import _layout_run, losses, run_config
 

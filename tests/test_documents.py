@@ -52,11 +52,12 @@ def test_a_packed_sample_equals_each_document_alone(family, tolerance):
     assert (without - packed).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
+@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm", "transformer"])
 def test_prefill_and_decode_reset_at_document_starts(family):
     """A cache prefilled with packed documents, then stepped with ``start_documents`` where the next
     token begins a document, gives the logits of the parallel forward over the packed sample."""
     model, args = tiny(family)
+    model.eval()  # the Transformer decodes in eval mode
     tokens, modes = sample(args, seed=2)
     docs = document_ids()
     with torch.no_grad():
@@ -71,9 +72,10 @@ def test_prefill_and_decode_reset_at_document_starts(family):
     assert (torch.cat(got, dim=1) - want).abs().max() < 1e-9
 
 
-@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
+@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm", "transformer"])
 def test_a_prefill_continuing_a_cache_reads_within_documents(family):
     model, args = tiny(family)
+    model.eval()
     tokens, modes = sample(args, seed=3)
     docs = document_ids()
     with torch.no_grad():
@@ -84,19 +86,19 @@ def test_a_prefill_continuing_a_cache_reads_within_documents(family):
     assert (torch.cat([first, rest], dim=1) - want).abs().max() < 1e-9
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_generation_after_an_eod_in_the_prompt_reads_only_the_new_document(speculative):
+@pytest.mark.parametrize("family,speculative", [("oryx_tg", False), ("oryx_tg", True), ("transformer", False)])
+def test_generation_after_an_eod_in_the_prompt_reads_only_the_new_document(family, speculative):
     """With reset_at_eod (a model trained with data.reset_at_eod), a prompt's EOD restarts every state:
     the continuation equals the one of the prompt's last document alone, in the prefill and, for a
     longer prompt of a ragged batch, in the teacher-forced steps after it."""
     from oryx_megatron.inference import generate, speculative_generate
 
-    model, args = tiny("oryx_tg")
+    model, args = tiny(family)
     eod, g = 5, torch.Generator().manual_seed(4)
     words = lambda n: (torch.randint(6, args.vocab_size, (n,), generator=g)).tolist()  # noqa: E731
     after = words(4)
     with_eod = words(6) + [eod] + after  # the EOD at position 6: inside the prefill of a batch of one
-    schedule = "prefill=linear decode=attention"
+    schedule = "prefill=linear decode=attention" if family != "transformer" else "all_attention"
     if speculative:
         run = lambda prompts, **kw: speculative_generate(model, prompts, schedule, 5, 2, output_logits=True, **kw)  # noqa: E731
         got, want = run([with_eod], reset_at_eod=eod), run([after])

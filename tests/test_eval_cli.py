@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import torch
 import numpy as np
 
 from oryx_megatron.eval.mode_switch import CSV_COLUMNS, mode_gap, position_losses, tokens_to_converge
-from oryx_megatron.tools import evaluate, generate
+from oryx_megatron.cli import evaluate, generate
 
 BIN = os.path.dirname(sys.executable)
 TASK_KEYS = {
@@ -134,6 +135,27 @@ def test_generate_in_process(checkpoint, capsys):
     assert out.startswith("=== [0]") and "schedule: linear:0-3,attention:3-" in out
 
 
+def test_the_transformer_baseline_generates_with_its_cache(transformer_checkpoint, capsys):
+    """oryx-generate on a Transformer checkpoint decodes through megatron's KV cache (no recurrent state); a
+    schedule that reads linear, or --speculative, is refused in one line."""
+    common = [transformer_checkpoint, "--prompt", "def ", "class ", "--max-new-tokens", "4", "--device", "cpu"]
+    assert generate.main(common) == 0
+    out = capsys.readouterr().out
+    stats = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.split("=== stats\n")[1].splitlines())
+    assert out.count("=== [") == 2 and stats["tokens fed in linear mode"] == stats["cache recurrent bytes"] == "0"
+    assert int(stats["cache kv bytes"].replace(",", "")) > 0
+    for extra, line in (
+            (["--schedule", "all_linear"], "oryx-generate: error: the Transformer baseline reads attention only: "
+                                           "schedule 'all_linear' makes position 0 of prompt 0 read linear; use an "
+                                           "attention-only schedule such as all_attention"),
+            (["--speculative", "2"], "oryx-generate: error: speculative decoding drafts in linear mode: the "
+                                     "Transformer baseline reads attention only")):
+        argv = common[:2] + common[3:] + extra  # one prompt
+        with pytest.raises(SystemExit) as exit_info:
+            generate.main(argv)
+        assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines() == [line]
+
+
 @pytest.mark.parametrize("main, argv, expected", [
     (evaluate.main, ["{missing}", "--task", "ppl"], "checkpoint {missing}"),
     (evaluate.main, ["{ckpt}", "--task", "bleu"], "argument --task: invalid choice: 'bleu'"),
@@ -162,7 +184,8 @@ def test_results_can_go_to_wandb_offline(checkpoint, tmp_path, monkeypatch):
 def test_inference_tools_default_to_the_gpu_in_bf16_where_there_is_one():
     import argparse
 
-    from oryx_megatron.tools.loading import add_model_arguments, default_device, default_dtype
+    from oryx_megatron.cli.common import add_model_arguments
+    from oryx_megatron.inference.loading import default_device, default_dtype
 
     assert (default_dtype("cuda"), default_dtype("cuda:1"), default_dtype("cpu")) == ("bfloat16", "bfloat16", "float32")
     parser = argparse.ArgumentParser()

@@ -1,4 +1,4 @@
-"""oryx-experiment: every experiment of recipes/experiment/ end to end in its smoke configuration
+"""oryx-experiment: every experiment of oryx_megatron/recipes/experiment/ end to end in its smoke configuration
 (tables and plots with the documented columns, runs shared between experiments), the learning-rate
 sweep (selection on the validation split only), and its errors."""
 
@@ -15,9 +15,11 @@ import torch
 from oryx_megatron.data.synthetic import MQARLoader
 from oryx_megatron.eval.retrieval import build_task
 from oryx_megatron.eval.validation import validation_samples
-from oryx_megatron.tools import experiment
-from oryx_megatron.tools.experiment import (choose_lr, load_experiment, main, markdown_table, overrides, pivot_table,
-                                            summarize, sweep_table)
+from oryx_megatron.cli.experiment import main
+from oryx_megatron.experiments import config, driver, runs
+from oryx_megatron.experiments.config import load_experiment
+from oryx_megatron.experiments.runs import choose_lr, overrides
+from oryx_megatron.experiments.tables import markdown_table, pivot_table, summarize, sweep_table
 
 RETRIEVAL = ({"all_attention", "all_linear", "mixed"}, ["accuracy", "token_accuracy", "attention_fraction"],
              "accuracy.png")
@@ -174,10 +176,10 @@ def fake_runs(monkeypatch, test_accuracy):
                               attention_fraction=0.1)]}
 
     seen = []
-    monkeypatch.setattr(experiment, "train_and_load", train_and_load)
-    monkeypatch.setattr(experiment, "validation_loss", lambda net, run, *args: VALIDATION[run.optimizer.lr])
-    monkeypatch.setattr(experiment, "evaluate", evaluate)
-    monkeypatch.setattr(experiment, "choose_lr", lambda losses: seen.append(losses) or choose_lr(losses))
+    monkeypatch.setattr(driver, "train_and_load", train_and_load)
+    monkeypatch.setattr(driver, "validation_loss", lambda net, run, *args: VALIDATION[run.optimizer.lr])
+    monkeypatch.setattr(driver, "evaluate", evaluate)
+    monkeypatch.setattr(driver, "choose_lr", lambda losses: seen.append(losses) or choose_lr(losses))
     return seen
 
 
@@ -186,7 +188,7 @@ def test_the_sweep_selects_on_validation_loss_only(tmp_path, monkeypatch, test_a
     seen = fake_runs(monkeypatch, test_accuracy)
     exp = load_experiment("e1_retrieval", smoke=True)
     exp.match_params = None
-    results = experiment.run_experiment(exp, tmp_path, [])
+    results = driver.run_experiment(exp, tmp_path, [])
     assert seen == [{lr: [loss] for lr, loss in VALIDATION.items()}] * len(exp.models)  # validation numbers only
     assert {s["lr"] for s in results["sweeps"]} == {3e-3} == {r["lr"] for r in results["rows"]}
     assert {r["accuracy"] for r in results["rows"]} == {test_accuracy(3e-3)}
@@ -195,7 +197,7 @@ def test_the_sweep_selects_on_validation_loss_only(tmp_path, monkeypatch, test_a
 def test_validation_and_test_sets_differ_from_training():
     exp = load_experiment("e1_retrieval", smoke=True)
     assert exp.validation.seed not in exp.seeds + exp.sweep_seeds and exp.validation.seed != exp.eval["seed"]
-    run = experiment.compose_run(exp.models[0], exp.seeds[0], experiment.run_overrides(exp))
+    run = runs.compose_run(exp.models[0], exp.seeds[0], runs.run_overrides(exp))
     d, n = run.data, 64
     rows = lambda inputs: {tuple(row) for row in inputs}
     validation = rows(validation_samples(run, exp.validation.seed, n)["inputs"])
@@ -212,7 +214,7 @@ def test_validation_and_test_sets_differ_from_training():
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["e9_nothing"], r"unknown experiment 'e9_nothing'; recipes/experiment/ has a1_shared_query, .*e3_mode_switch"),
+        (["e9_nothing"], r"unknown experiment 'e9_nothing'; oryx_megatron/recipes/experiment/ has a1_shared_query, .*e3_mode_switch"),
         (["e2_lm", "train.train_iters"], r"override 'train.train_iters' is not key=value"),
     ],
 )
@@ -236,7 +238,7 @@ SWEEP = "name: s\nclaim: c\nmodels: [tiny_gdn]\nseeds: [1, 2, 3]\nmetrics: [accu
 ])
 def test_bad_sweep_settings_are_named(tmp_path, monkeypatch, extra, message):
     (tmp_path / "s.yaml").write_text(SWEEP + extra)
-    monkeypatch.setattr(experiment, "EXPERIMENTS_DIR", tmp_path)
+    monkeypatch.setattr(config, "EXPERIMENTS_DIR", tmp_path)
     with pytest.raises(ValueError, match=r"s.yaml: " + message):
         load_experiment("s", smoke="smoke" in extra)
 
@@ -246,7 +248,7 @@ def test_bad_experiment_file_names_the_field(tmp_path, monkeypatch):
                                        "eval: {task: ppl, num_windows: 3}\n")
     (tmp_path / "typo.yaml").write_text("name: typo\nclaim: c\nmodels: [tiny_gdn]\nseeds: [1]\nmetrics: [loss]\n"
                                         "eval: {task: ppl}\nvariant: {}\n")
-    monkeypatch.setattr(experiment, "EXPERIMENTS_DIR", tmp_path)
+    monkeypatch.setattr(config, "EXPERIMENTS_DIR", tmp_path)
     with pytest.raises(ValueError, match=r"bad.yaml: eval.num_windows is not an argument of ppl"):
         load_experiment("bad")
     with pytest.raises(ValueError, match=r"typo.yaml: .*variant"):
@@ -255,11 +257,11 @@ def test_bad_experiment_file_names_the_field(tmp_path, monkeypatch):
 
 def test_run_key_ignores_logging_and_follows_what_shapes_the_weights():
     base = ["data=mqar", "logging.wandb_mode=disabled"]
-    key = experiment.run_key(experiment.compose_run("tiny_gdn", 1, base))
+    key = runs.run_key(runs.compose_run("tiny_gdn", 1, base))
     # the keys runs were trained under: fields added since (at their defaults) and the one schema change none
-    assert (key, experiment.run_key(experiment.compose_run("tiny_oryx_tm", 1, base))) == ("e2ec5d3e", "18fd929b")
+    assert (key, runs.run_key(runs.compose_run("tiny_oryx_tm", 1, base))) == ("e2ec5d3e", "18fd929b")
     same = ["train.log_interval=7", "train.eval_interval=null", "logging.wandb_mode=offline", "checkpoint.dir=/x"]
-    assert experiment.run_key(experiment.compose_run("tiny_gdn", 1, base + same)) == key
+    assert runs.run_key(runs.compose_run("tiny_gdn", 1, base + same)) == key
     for other in (["optimizer.lr=1e-4"], ["data.mqar_num_pairs=4"], ["model.num_layers=1"], ["data.reset_at_eod=true"]):
-        assert experiment.run_key(experiment.compose_run("tiny_gdn", 1, base + other)) != key
-    assert experiment.run_key(experiment.compose_run("tiny_gdn", 2, base)) != key
+        assert runs.run_key(runs.compose_run("tiny_gdn", 1, base + other)) != key
+    assert runs.run_key(runs.compose_run("tiny_gdn", 2, base)) != key

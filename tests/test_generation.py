@@ -119,6 +119,73 @@ def test_stop_tokens_max_tokens_and_stats(model):
     assert full.stats.cache_bytes["recurrent"] == layers * b * heads * d * d * fp64
 
 
+# ---- the Transformer baseline: megatron's own KV cache ----
+
+@pytest.fixture(scope="module")
+def transformer(single_process_parallel):
+    args = tiny_args("transformer")
+    torch.manual_seed(0)
+    return build_model(args, transformer_config(args, params_dtype=torch.float64))
+
+
+def test_transformer_cached_generation_equals_parallel_recompute(transformer):
+    """Ragged prompts (a prefill of the shortest, then teacher-forced and generated steps) through megatron's
+    static inference context give the greedy tokens and logits of a full forward at every step."""
+    batch = prompts((5, 9, 12))
+    result = generate(transformer, batch, "all_attention", MAX_NEW, vocab_size=VOCAB, output_logits=True)
+    for i, prompt in enumerate(batch):
+        tokens, logits = recompute_greedy(transformer, prompt, ALL_ATTENTION, MAX_NEW)
+        assert result.tokens[i] == tokens
+        assert (result.logits[i] - logits).abs().max() < 1e-12
+    assert result.stats.tokens_per_mode["linear"] == 0
+    layers, b, heads, d, fp64 = 2, len(batch), 4, 16, 8
+    assert result.stats.cache_bytes == {"kv": layers * 2 * KV_BLOCK * b * heads * d * fp64, "recurrent": 0, "conv": 0}
+
+
+def test_transformer_cache_grows_by_a_block_when_full(transformer):
+    ids = torch.tensor(prompts((KV_BLOCK + 4,), seed=5))
+    transformer.eval()
+    with torch.no_grad():
+        want = transformer(ids)
+        cache = transformer.allocate_inference_cache(1, torch.float64)  # KV_BLOCK positions
+        got = [transformer(ids[:, : KV_BLOCK - 2], inference_cache=cache)]
+        got += [transformer(ids[:, t : t + 1], inference_cache=cache) for t in range(KV_BLOCK - 2, KV_BLOCK + 4)]
+    assert cache[0].capacity == 2 * KV_BLOCK and cache[0].seqlen == KV_BLOCK + 4
+    assert (torch.cat(got, dim=1) - want).abs().max() < 1e-12
+
+
+def test_transformer_says_what_it_cannot_decode(transformer):
+    from oryx_megatron.inference import speculative_generate
+
+    batch = prompts()
+    with pytest.raises(ValueError, match=r"^the Transformer baseline reads attention only: schedule 'prefill=linear "
+                                         r"decode=attention' makes position 0 of prompt 0 read linear; use an "
+                                         r"attention-only schedule such as all_attention$"):
+        generate(transformer, batch, LINEAR_PREFILL, MAX_NEW, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"^the Transformer baseline reads attention only: schedule 'all_linear'"):
+        generate(transformer, batch, ALL_LINEAR, MAX_NEW, vocab_size=VOCAB, kv_cache=False)
+    with pytest.raises(ValueError, match=r"^the Transformer baseline reads attention only and needs its KV cache"):
+        transformer.allocate_inference_cache(1, torch.float64, kv_cache=False)
+    with pytest.raises(ValueError, match=r"^speculative decoding drafts in linear mode: the Transformer baseline"):
+        speculative_generate(transformer, batch[:1], ALL_ATTENTION, MAX_NEW, 2, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"^cuda_graphs=True: the Transformer baseline decodes eagerly"):
+        generate(transformer, batch, ALL_ATTENTION, MAX_NEW, vocab_size=VOCAB, cuda_graphs=True)
+    transformer.train()
+    with pytest.raises(ValueError, match=r"^the Transformer baseline decodes with its cache in eval mode"):
+        transformer(torch.tensor(batch[:1]), inference_cache=transformer.allocate_inference_cache(1, torch.float64))
+
+
+def test_transformer_documents_need_the_local_core_attention(transformer, monkeypatch):
+    """Transformer Engine's core attention (here: any other than the local spec's) gets no explicit mask."""
+    transformer.eval()
+    monkeypatch.setattr(transformer.decoder.layers[0].self_attention, "core_attention", torch.nn.Identity())
+    ids = torch.tensor(prompts((6,)))
+    with pytest.raises(ValueError, match=r"^the Transformer baseline reads packed documents \(reset_at_eod\) .* "
+                                         r"with model.transformer_impl=local only"):
+        transformer(ids, inference_cache=transformer.allocate_inference_cache(1, torch.float64),
+                    document_ids=torch.zeros_like(ids))
+
+
 def test_sampled_generation_is_reproducible_and_stays_in_vocab(model):
     batch = prompts(seed=2)
     params = SamplingParams(temperature=2.0, top_k=50, top_p=0.95, seed=7)
@@ -272,7 +339,7 @@ def test_schedule_parse_errors_name_the_bad_part(text, message):
 # ---- oryx-generate's decoding flags ----
 
 def test_cli_no_kv_cache_and_speculative(tiny_checkpoint, capsys):
-    from oryx_megatron.tools import generate as cli
+    from oryx_megatron.cli import generate as cli
 
     common = [tiny_checkpoint, "--prompt", "def ", "--max-new-tokens", "6", "--device", "cpu"]
     assert cli.main(common + ["--schedule", "all_linear", "--no-kv-cache"]) == 0

@@ -1,7 +1,12 @@
 """oryx-gpu-check's CPU dry run, end to end at toy sizes, and a broken section becoming a failed row.
 
-Nothing here ran on a GPU: without CUDA the command labels itself a CPU dry run, and these tests
-check that it does. On a machine with CUDA they are skipped: run `make gpu-check` there.
+What the dry run covers, plainly: without CUDA the CUDA wrappers run the torch op, so its kernel rows
+compare the torch op in bf16 with itself in fp64 and its model rows compare the torch ops with themselves;
+those rows prove the code of every section runs, names every op and case, writes the report as it goes and
+labels itself a dry run, not that any kernel is right. What the comparison itself catches is proved here by
+injection: a wrong kernel (a mutant of the torch op) put in place of a CUDA wrapper fails its rows, a
+refused one is skipped, a crashed session probe skips its rows. On a machine with CUDA these tests are
+skipped: run `make gpu-check` there.
 """
 
 import json
@@ -11,7 +16,8 @@ import pytest
 import torch
 
 from oryx_megatron import ops
-from oryx_megatron.tools import gpu_check
+from oryx_megatron.checks.gpu_check import command as gpu_check
+from oryx_megatron.checks.gpu_check import kernels, model, report as gpu_report, setup as gpu_setup
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run; with CUDA run `make gpu-check`")
 
@@ -27,20 +33,27 @@ def rows(report, section):
     return report["sections"][section]["rows"]
 
 
+def kernel_section(out):
+    """(setup, report) of a kernel section at toy sizes on CPU."""
+    setup = gpu_setup.Setup(torch.device("cpu"), gpu_setup.TOY, out, ())
+    return setup, gpu_report.Report(out, gpu_check.make_header(setup, []))
+
+
 def test_dry_run_passes_and_is_labelled(dry_run):
     code, report, markdown = dry_run
     assert code == 0 and report["summary"]["fail"] == 0
     header = report["header"]
     assert header["dry_run"] and header["toy"] and header["device"] == "CPU (dry run)"
-    assert header["label"] == gpu_check.DRY_RUN_LABEL == "CPU dry run: nothing here ran on a GPU"
+    assert header["label"] == gpu_setup.DRY_RUN_LABEL == "CPU dry run: nothing here ran on a GPU"
     assert header["versions"]["torch"] == torch.__version__
     assert set(header["versions"]) >= {"triton", "megatron-core", "fla", "mamba-ssm", "causal-conv1d",
                                        "transformer-engine"}
     assert header["kernels_auto"] == ops.get_kernels("auto").names
+    assert header["source"]["commit"] and header["source"]["from"] == "git"
     assert list(report["sections"]) == ["kernels", "model", "training", "performance"]
     assert all(entry["status"] == "done" for entry in report["sections"].values())
-    assert f"**{gpu_check.DRY_RUN_LABEL}.**" in markdown
-    for title in gpu_check.SECTION_TITLES.values():
+    assert f"**{gpu_setup.DRY_RUN_LABEL}.**" in markdown
+    for title in gpu_report.SECTION_TITLES.values():
         assert f"## {title}" in markdown
     assert "| op | case | implementation | errors | tolerance | status | note |" in markdown
 
@@ -55,7 +68,7 @@ def test_every_kernel_op_has_its_rows(dry_run):
             assert {(op, f"{direction}, no initial state"), (op, f"{direction}, initial state")} <= cases
     for row in kernel_rows:
         assert row["status"] == "pass" and row["implementation"] == "torch"
-        assert row["tolerance"] == gpu_check.KERNEL_RTOL
+        assert row["tolerance"] == gpu_setup.KERNEL_RTOL
         assert "the CUDA wrapper ran the torch op" in row["note"]  # a dry run says what it compared
         assert all(0 <= e <= row["tolerance"] for e in row["errors"].values())
     chunked_bwd = next(r for r in kernel_rows if (r["op"], r["case"]) == ("chunk_gated_delta_rule", "bwd, initial state"))
@@ -68,7 +81,7 @@ def test_model_section_has_both_families(dry_run):
     _, report, _ = dry_run
     model_rows = rows(report, "model")
     assert {row["family"] for row in model_rows} == {"oryx_tg", "oryx_tm"}
-    assert len(model_rows) == 2 * (1 + len(gpu_check.DECODE_SCHEDULES))
+    assert len(model_rows) == 2 * (1 + len(gpu_setup.DECODE_SCHEDULES)) == model.model_rows()
     for row in model_rows:
         assert row["status"] == "pass" and "torch compared with itself" in row["note"]
     logits = [row for row in model_rows if row["check"] == "parallel logits"]
@@ -95,8 +108,7 @@ def test_a_raising_section_becomes_a_failed_row(tmp_path, monkeypatch):
         raise RuntimeError("injected failure")
 
     monkeypatch.setitem(gpu_check.SECTIONS, "model", broken)
-    code = gpu_check.main(["--out", str(tmp_path), "--sections", "model", "training", "performance",
-                           "--families", "no_such_family"])
+    code = gpu_check.main(["--out", str(tmp_path), "--sections", "model", "training", "--families", "no_such_family"])
     assert code == 1
     report = json.loads((tmp_path / "report.json").read_text())
     [model_row] = rows(report, "model")
@@ -112,14 +124,13 @@ def test_a_raising_section_becomes_a_failed_row(tmp_path, monkeypatch):
 def test_a_kernel_that_cannot_run_is_skipped_not_failed(tmp_path, monkeypatch):
     """The skip path of a GPU machine without the kernel packages, reached here by injection:
     nothing is measured, every row says why."""
-    setup = gpu_check.Setup(torch.device("cpu"), gpu_check.TOY, tmp_path, ())
-    report = gpu_check.Report(tmp_path, gpu_check.make_header(setup, []))  # honestly labelled a dry run
-    monkeypatch.setattr(gpu_check.Setup, "dry_run", property(lambda self: False))
-    monkeypatch.setattr(gpu_check.selection, "refusal", lambda op, env, backward=True: f"{op}: injected refusal")
-    with report.section("kernels", gpu_check.section_size("kernels", setup)):
-        gpu_check.check_kernels(setup, report)
+    setup, report = kernel_section(tmp_path)  # honestly labelled a dry run
+    monkeypatch.setattr(gpu_setup.Setup, "dry_run", property(lambda self: False))
+    monkeypatch.setattr(kernels.selection, "refusal", lambda op, env, backward=True: f"{op}: injected refusal")
+    with report.section("kernels", kernels.kernel_rows()):
+        kernels.check_kernels(setup, report)
     kernel_rows = rows(report.data, "kernels")
-    assert len(kernel_rows) == gpu_check.section_size("kernels", setup)
+    assert len(kernel_rows) == kernels.kernel_rows()
     for row in kernel_rows:
         assert row["status"] == "skipped" and row["note"] == f"skipped: {row['op']}: injected refusal"
         assert "errors" not in row
@@ -128,14 +139,63 @@ def test_a_kernel_that_cannot_run_is_skipped_not_failed(tmp_path, monkeypatch):
 
 def test_a_backward_only_refusal_skips_the_backward_rows_only(tmp_path, monkeypatch):
     """fla issue 640 refuses the gated delta rule's backward on Hopper: its forward rows still measure."""
-    setup = gpu_check.Setup(torch.device("cpu"), gpu_check.TOY, tmp_path, ())
-    report = gpu_check.Report(tmp_path, gpu_check.make_header(setup, []))
-    monkeypatch.setattr(gpu_check.Setup, "dry_run", property(lambda self: False))
-    monkeypatch.setattr(gpu_check.selection, "refusal", lambda op, env, backward=True: (
+    setup, report = kernel_section(tmp_path)
+    monkeypatch.setattr(gpu_setup.Setup, "dry_run", property(lambda self: False))
+    monkeypatch.setattr(kernels.selection, "refusal", lambda op, env, backward=True: (
         "injected backward refusal" if backward and op == "chunk_gated_delta_rule" else None))
-    with report.section("kernels", gpu_check.section_size("kernels", setup)):
-        gpu_check.check_kernels(setup, report)
+    with report.section("kernels", kernels.kernel_rows()):
+        kernels.check_kernels(setup, report)
     gdn = [row for row in rows(report.data, "kernels") if row["op"] == "chunk_gated_delta_rule"]
     assert [(row["case"].split(",")[0], row["status"]) for row in gdn] == [
         ("fwd", "pass"), ("bwd", "skipped"), ("fwd", "pass"), ("bwd", "skipped")]
+    assert all(row["status"] == "pass" for row in rows(report.data, "kernels") if row["op"] != "chunk_gated_delta_rule")
+
+
+def _gradient_times(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x in the forward; its gradient multiplied by ``factor`` in the backward."""
+    return x * factor - (x * (factor - 1)).detach()
+
+
+def test_a_wrong_kernel_fails_its_rows_forward_and_backward(tmp_path, monkeypatch):
+    """The comparison is no tautology: a CUDA wrapper that computes something else fails its rows, one
+    that is right forward but wrong backward fails its backward rows only; every other op still passes."""
+    def wrong_scan(x, dt, A, B, C, D=None, initial_state=None, output_final_state=True, chunk_size=64, **kwargs):
+        return ops.ssd_chunk_scan(x, dt * 1.1, A, B, C, D, initial_state, output_final_state, chunk_size, **kwargs)
+
+    def wrong_norm_gradient(y, gate, weight, eps=1e-5):
+        return ops.gated_rms_norm(_gradient_times(y, 1.1), gate, weight, eps)
+
+    monkeypatch.setattr(kernels.cuda, "ssd_chunk_scan", wrong_scan)
+    monkeypatch.setattr(kernels.cuda, "gated_rms_norm", wrong_norm_gradient)
+    setup, report = kernel_section(tmp_path)
+    with report.section("kernels", kernels.kernel_rows()):
+        kernels.check_kernels(setup, report)
+    status = {(row["op"], row["case"]): row["status"] for row in rows(report.data, "kernels")}
+    assert {case: s for (op, case), s in status.items() if op == "ssd_chunk_scan"} == {
+        "fwd, no initial state": "fail", "bwd, no initial state": "fail",
+        "fwd, initial state": "fail", "bwd, initial state": "fail"}
+    assert {case: s for (op, case), s in status.items() if op == "gated_rms_norm"} == {
+        "fwd, per head": "pass", "bwd, per head": "fail"}
+    assert {s for (op, _), s in status.items() if op not in ("ssd_chunk_scan", "gated_rms_norm")} == {"pass"}
+    norm_bwd = next(r for r in rows(report.data, "kernels") if (r["op"], r["case"]) == ("gated_rms_norm", "bwd, per head"))
+    assert norm_bwd["errors"]["dy"] > gpu_setup.KERNEL_RTOL >= norm_bwd["errors"]["dgate"]
+
+
+def test_a_kernel_whose_session_probe_crashed_is_skipped_even_in_a_dry_run(tmp_path, monkeypatch):
+    """The GPU session probes every kernel once, in its own process; a kernel whose probe died is not
+    called again by any later stage: its rows are skipped with the recorded reason."""
+    verdicts = tmp_path / "kernel_probes.json"
+    crashed = "its probe process was killed by SIGSEGV"
+    verdicts.write_text(json.dumps({"verdicts": {"chunk_gated_delta_rule": {"forward": crashed, "backward": crashed}}}))
+    monkeypatch.setenv(ops.probing.PROBES_ENV_VAR, str(verdicts))
+
+    def crash(*args, **kwargs):
+        raise AssertionError("a kernel refused by its session probe was called")
+
+    monkeypatch.setattr(kernels.cuda, "chunk_gated_delta_rule", crash)
+    setup, report = kernel_section(tmp_path / "out")
+    with report.section("kernels", kernels.kernel_rows()):
+        kernels.check_kernels(setup, report)
+    gdn = [row for row in rows(report.data, "kernels") if row["op"] == "chunk_gated_delta_rule"]
+    assert len(gdn) == 4 and all(row["note"] == f"skipped: its session probe: {crashed}" for row in gdn)
     assert all(row["status"] == "pass" for row in rows(report.data, "kernels") if row["op"] != "chunk_gated_delta_rule")

@@ -41,7 +41,7 @@ PROMPT, LENGTH = 150, 166  # a prompt over one 128-position query block, then 16
 
 
 def tiny_args(family: str, **overrides) -> ModelArgs:
-    """The family's tiny recipe (recipes/model/tiny_<family>.yaml) with the options of FAMILIES."""
+    """The family's tiny recipe (oryx_megatron/recipes/model/tiny_<family>.yaml) with the options of FAMILIES."""
     recipe = OmegaConf.to_container(OmegaConf.load(RECIPES_DIR / "model" / f"tiny_{family}.yaml"))
     return ModelArgs(**{**recipe, "linear_chunk_size": 16, **FAMILIES.get(family, {}), **overrides})
 

@@ -18,12 +18,12 @@ pytest.importorskip("transformers")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from data_prep.tokenizer import ByteTokenizer  # noqa: E402
 from oryx_megatron.checkpoint import load_common  # noqa: E402
-from oryx_megatron.interop.hf_export import heldout_losses  # noqa: E402
+from oryx_megatron.cli import evaluate, export_hf, import_hf  # noqa: E402
+from oryx_megatron.data.prep.tokenizer import ByteTokenizer  # noqa: E402
 from oryx_megatron.inference import generate  # noqa: E402
 from oryx_megatron.inference.checkpoint import load_model  # noqa: E402
-from oryx_megatron.tools import evaluate, export_hf, import_hf  # noqa: E402
+from oryx_megatron.interop.hf_export import heldout_losses  # noqa: E402
 from tests.test_train import losses, run_config  # noqa: E402
 
 EOD, PADDED = 256, 384
@@ -134,7 +134,7 @@ def test_imported_checkpoint_trains_as_a_fresh_run_from_its_weights(corpus, tmp_
     from oryx_megatron.interop.hf_import import import_checkpoint
     from oryx_megatron.models.builder import build_model
     from oryx_megatron.parallel import initialize_parallel
-    from oryx_megatron.train import pretrain
+    from oryx_megatron.training.loop import pretrain
     from oryx_megatron.training.builders import model_config
 
     run = run_config(corpus, tmp_path / "fresh", "train.train_iters=3")
@@ -207,7 +207,7 @@ def test_lm_eval_hf_backend_gives_the_adapters_loglikelihoods(exported, tiny_che
     import lm_eval.models.huggingface  # noqa: F401  (registers lm-eval's "hf" backend)
     from lm_eval.tasks import TaskManager
 
-    importlib.import_module("oryx_megatron.tools.lm_eval_harness")  # registers the adapter as lm-eval's "oryx"
+    importlib.import_module("oryx_megatron.eval.lm_eval_harness")  # registers the adapter as lm-eval's "oryx"
     from tests.test_lm_eval_adapter import DOCS
 
     data = tmp_path / "docs.jsonl"
@@ -275,8 +275,8 @@ def test_the_rest_of_the_package_imports_without_transformers(tmp_path):
     script = (
         "import sys\n"
         "sys.modules['transformers'] = None  # not installed\n"
-        "import oryx_megatron.train, oryx_megatron.eval.ppl, oryx_megatron.tools.generate\n"
-        "from oryx_megatron.tools import export_hf\n"
+        "import oryx_megatron.cli.train, oryx_megatron.eval.ppl, oryx_megatron.cli.generate\n"
+        "from oryx_megatron.cli import export_hf\n"
         f"export_hf.main(['hf', {str(tmp_path)!r}, {str(tmp_path / 'out')!r}])\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,

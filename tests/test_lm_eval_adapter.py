@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from oryx_megatron.eval.lm_eval_adapter import OryxLM, pair_modes, score_continuation  # noqa: E402
-from oryx_megatron.tools.lm_eval_harness import OryxCheckpointLM  # noqa: E402  (registers "oryx")
+from oryx_megatron.eval.lm_eval_harness import OryxCheckpointLM  # noqa: E402  (registers "oryx")
 
 DOCS = [
     {"question": "import", "choices": ["os", "}{", "9x"], "label": 0},
@@ -72,6 +72,13 @@ def test_rolling_and_generate(lm):
     (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
     (pair, _), = lm.loglikelihood([Instance("loglikelihood", {}, ("", text), 0)])
     assert rolling == pytest.approx(pair, abs=1e-5) and rolling < 0
+    outs = lm.generate_until([Instance("generate_until", {}, ("def ", {"until": ["\n"], "max_gen_toks": 8}), 0),
+                              Instance("generate_until", {}, ("import", {"until": ["("], "max_gen_toks": 5}), 1)])
+    assert len(outs) == 2 and "\n" not in outs[0] and "(" not in outs[1] and len(outs[1]) <= 5
+
+
+def test_the_transformer_baseline_generates_until_a_stop(transformer_checkpoint, one_thread):
+    lm = OryxCheckpointLM(checkpoint=transformer_checkpoint, batch_size=2)
     outs = lm.generate_until([Instance("generate_until", {}, ("def ", {"until": ["\n"], "max_gen_toks": 8}), 0),
                               Instance("generate_until", {}, ("import", {"until": ["("], "max_gen_toks": 5}), 1)])
     assert len(outs) == 2 and "\n" not in outs[0] and "(" not in outs[1] and len(outs[1]) <= 5

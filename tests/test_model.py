@@ -6,11 +6,7 @@ import pytest
 import torch
 
 from oryx_megatron.layers.config import OryxConfig
-from oryx_megatron.models.builder import (
-    build_model,
-    padded_vocab_size,
-    transformer_config,
-)
+from oryx_megatron.models.builder import build_model, padded_vocab_size, transformer_config
 from tests.helpers import tiny_args
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel")
@@ -64,9 +60,10 @@ def test_bf16_models_keep_the_ssm_scalars_in_fp32(family):
     assert all(model.get_parameter(n).grad.dtype == torch.float32 for n in scalars)
 
 
-@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
+@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm", "transformer"])
 def test_model_decode_with_cache_equals_parallel_logits(family):
     model, args = tiny_model(family, dtype=torch.float64)
+    model.eval()  # the Transformer decodes in eval mode
     tokens, _, modes = batch(args, s=17)
     logits = model(tokens, modes)
     cache = model.allocate_inference_cache(tokens.shape[0], torch.float64)
@@ -142,7 +139,8 @@ def test_transformer_sdpa_baseline_equals_megatron_masked_softmax(dtype, toleran
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from oryx_megatron.models.builder import TransformerBaseline, _gpt_block_spec
+    from oryx_megatron.models.builder import _gpt_block_spec
+    from oryx_megatron.models.transformer import TransformerBaseline
 
     args = tiny_args("transformer")
     config = transformer_config(args, params_dtype=dtype)

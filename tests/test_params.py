@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from oryx_megatron.tools.match_width import matched_ffn, parameter_count, with_ffn
-from oryx_megatron.tools.params import load_model_args, parameter_report
+from oryx_megatron.models.match_width import matched_ffn, parameter_count, with_ffn
+from oryx_megatron.models.params import load_model_args, parameter_report
 
 SCALES = ["130m", "370m", "760m", "1_4b"]
 NOMINAL = {"130m": 130e6, "370m": 370e6, "760m": 760e6, "1_4b": 1.4e9}
@@ -83,7 +83,7 @@ def test_a_single_mixer_model_ties_its_whole_mixer():
 
 @pytest.mark.parametrize("scale", ["130m", "1_4b"])
 def test_the_mixer_alone_ties_about_80_percent(scale):
-    """The >= 90% holds for the whole model only (tools/params.py says so)."""
+    """The >= 90% holds for the whole model only (models/params.py says so)."""
     assert 0.78 < report(f"oryx_tg_{scale}")["mixer_shared_fraction"] < 0.82
 
 

@@ -113,7 +113,7 @@ def test_bad_router_specs_give_one_named_line():
 def test_the_router_is_in_the_checkpoint_and_counted(tmp_path):
     from megatron.core import dist_checkpointing
 
-    from oryx_megatron.tools.params import count_parameters
+    from oryx_megatron.models.params import count_parameters
 
     model, _ = routed_model()
     (tmp_path / "ckpt").mkdir()

@@ -13,7 +13,7 @@ import torch
 from oryx_megatron.config import Mode
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.run_config import RouterConfig
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 from oryx_megatron.training.router import chunk_means, router_loss, router_targets
 from tests.test_train import run_config
 
@@ -87,7 +87,7 @@ def test_posthoc_training_changes_the_router_only_and_calibrates_it(posthoc, tin
 
 def test_oryx_generate_runs_a_router_budget_schedule(posthoc):
     _, tmp = posthoc
-    out = subprocess.run([sys.executable, "-m", "oryx_megatron.tools.generate", str(tmp / "ckpt"), "--prompt",
+    out = subprocess.run([sys.executable, "-m", "oryx_megatron.cli.generate", str(tmp / "ckpt"), "--prompt",
                           "def main(" * 3, "--max-new-tokens", "36", "--schedule", "router budget=0.25"],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-2000:]
@@ -116,7 +116,7 @@ def test_eval_tasks_add_a_router_row_and_curve(posthoc, tmp_path):
 
 def test_oryx_eval_refuses_a_bad_router_spec_in_one_line(posthoc):
     _, tmp = posthoc
-    out = subprocess.run([sys.executable, "-m", "oryx_megatron.tools.evaluate", str(tmp / "ckpt"), "--task", "ppl",
+    out = subprocess.run([sys.executable, "-m", "oryx_megatron.cli.evaluate", str(tmp / "ckpt"), "--task", "ppl",
                           "--router", "budget=2"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (

@@ -24,7 +24,7 @@ from oryx_megatron.launch import (
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "slurm"
-RECIPES = REPO / "recipes"
+RECIPES = REPO / "oryx_megatron" / "recipes"
 JOB_ID = "123457"
 
 
@@ -177,7 +177,7 @@ def test_single_node_default_command(fake_slurm):
     result = fake_slurm.run("train.sbatch", *OVERRIDES)
     assert result.returncode == 0, result.stderr
     assert fake_slurm.args("torchrun") == [
-        "--standalone", "--nnodes=1", "--nproc-per-node=4", "-m", "oryx_megatron.train", *OVERRIDES]
+        "--standalone", "--nnodes=1", "--nproc-per-node=4", "-m", "oryx_megatron.cli.train", *OVERRIDES]
     env = (fake_slurm.rec / "torchrun.env").read_text().splitlines()
     assert f"ORYX_REQUEUE_MARKER={fake_slurm.marker}" in env
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=150" in env
@@ -256,7 +256,7 @@ def test_multinode_rendezvous(fake_slurm):
     assert fake_slurm.args("srun") == [
         "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=96", "--kill-on-bad-exit=0",
         "torchrun", "--nnodes=4", "--nproc-per-node=4", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=gpu001:{port}", f"--rdzv-id={JOB_ID}", "-m", "oryx_megatron.train", *OVERRIDES]
+        f"--rdzv-endpoint=gpu001:{port}", f"--rdzv-id={JOB_ID}", "-m", "oryx_megatron.cli.train", *OVERRIDES]
     assert fake_slurm.calls("scontrol") == ["show hostnames gpu[001-004]"]
     # MASTER_PORT is a knob, and the Python side derives the same default port.
     assert fake_slurm.run("train_multinode.sbatch", MASTER_PORT="29400").returncode == 0
@@ -307,7 +307,7 @@ def test_request_requeue_without_sbatch_script(fake_slurm, monkeypatch, env, req
 
 @pytest.fixture
 def compose_launcher(tmp_path):
-    """Compose a minimal app whose search path holds recipes/, with a given hydra/launcher."""
+    """Compose a minimal app whose search path holds oryx_megatron/recipes/, with a given hydra/launcher."""
     (tmp_path / "app.yaml").write_text(f"hydra:\n  searchpath:\n    - file://{RECIPES}\n")
 
     def run(launcher, *overrides):

@@ -11,10 +11,11 @@ from tests.distributed import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 # What each part of the library may import (besides itself and third-party packages). From the bottom:
-# config (the schemas), compat, launch, parallel (foundation); ops; data (knows no model); mixer (the one mixer
-# core: plain torch); run_config (oryx-train's schema); checkpoint (checkpoint files); layers (megatron holders)
-# <- models <- {training, inference}; hf (the transformers front end) beside inference, importing no training;
-# eval; interop (checkpoint files to and from other formats) and the tools on top.
+# config (the schemas), compat, launch, parallel (foundation); ops; data (with data.prep, oryx-prep's library; knows
+# no model); mixer (the one mixer core: plain torch); run_config (oryx-train's schema); checkpoint (checkpoint
+# files); layers (megatron holders) <- models <- {training, inference}; hf (the transformers front end) beside
+# inference, importing no training; eval; interop (checkpoint files to and from other formats); experiments and
+# checks (harnesses, out of the runtime path); cli on top (nothing imports the console scripts).
 FOUNDATION = {"config", "compat", "launch", "parallel"}
 BELOW_MODELS = {"layers", "mixer", "ops", "data", "run_config", "checkpoint"} | FOUNDATION
 ALLOWED = {
@@ -28,21 +29,22 @@ ALLOWED = {
     "run_config": {"config", "data", "mixer"},
     "checkpoint": {"compat", "config", "run_config"},
     "layers": {"mixer", "ops", "config"},
-    "models": {"layers", "mixer", "ops", "config"},
+    "models": {"layers", "mixer", "ops", "run_config"} | FOUNDATION,  # params sets up parallel state; compat
     "training": {"models"} | BELOW_MODELS,
-    "train": {"training", "models"} | BELOW_MODELS,
     "inference": {"models"} | BELOW_MODELS,
     "hf": {"inference", "models", "mixer", "ops", "data", "run_config", "checkpoint"} | FOUNDATION,
-    "eval": {"inference", "training", "train", "models"} | BELOW_MODELS,
+    "eval": {"inference", "training", "models"} | BELOW_MODELS,
     "interop": {"hf", "inference", "training", "models"} | BELOW_MODELS,
-    "tools": {"interop", "hf", "eval", "inference", "train", "training", "models"} | BELOW_MODELS,
+    "experiments": {"eval", "inference", "training", "models"} | BELOW_MODELS,
+    "checks": {"interop", "hf", "eval", "inference", "training", "models"} | BELOW_MODELS,
+    "cli": {"experiments", "checks", "interop", "hf", "eval", "inference", "training", "models"} | BELOW_MODELS,
 }
 
 
 def _part(module: str) -> str:
-    """'oryx_megatron.data.loader' -> 'data'; 'data_prep.cli' -> 'data_prep'."""
+    """'oryx_megatron.data.loader' -> 'data'."""
     parts = module.split(".")
-    return parts[0] if parts[0] == "data_prep" else (parts[1] if len(parts) > 1 else "")
+    return parts[1] if len(parts) > 1 else ""
 
 
 def _imports(path: Path, package: str):
@@ -58,20 +60,15 @@ def _imports(path: Path, package: str):
 def upward_imports(root: Path = ROOT):
     """'file:line imports module' for each import under root that runs up the layers."""
     found = []
-    for path in sorted((root / "oryx_megatron").rglob("*.py")) + sorted((root / "data_prep").rglob("*.py")):
+    for path in sorted((root / "oryx_megatron").rglob("*.py")):
         rel = path.relative_to(root)
         package = ".".join(rel.parts[:-1])  # the package the file belongs to
         source = _part(rel.with_suffix("").as_posix().replace("/", "."))
         for line, module in _imports(path, package):
-            if module is None or not module.startswith(("oryx_megatron", "data_prep")):
+            if module is None or not module.startswith("oryx_megatron"):
                 continue
             target = _part(module)
-            if source == "data_prep":
-                ok = target in ("data_prep", "data")  # the manifest format is shared with data
-            elif target == "data_prep":
-                ok = source in ("tools",)
-            else:
-                ok = target in ("", source) or target in ALLOWED.get(source, set())
+            ok = target in ("", source) or target in ALLOWED.get(source, set())
             if not ok:
                 found.append(f"{rel}:{line} imports {module}")
     return found
@@ -86,15 +83,19 @@ def test_the_import_check_sees_upward_imports(tmp_path):
         "oryx_megatron/data/probe.py": "import torch\ndef f():\n    from oryx_megatron.eval import ppl\n",
         "oryx_megatron/layers/probe.py": "from ..models import builder\nfrom ..ops import conv\n",
         "oryx_megatron/models/probe.py": "from oryx_megatron.layers import norms\n",
-        "data_prep/probe.py": "from oryx_megatron.training import config\n",
+        "oryx_megatron/data/prep/probe.py": "from oryx_megatron.training import config\n",
+        "oryx_megatron/eval/probe.py": "from oryx_megatron.cli.errors import one_line\n",
+        "oryx_megatron/experiments/probe.py": "from oryx_megatron.hf import convert\nfrom oryx_megatron.eval import ppl\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert upward_imports(tmp_path) == [
+        "oryx_megatron/data/prep/probe.py:1 imports oryx_megatron.training",
         "oryx_megatron/data/probe.py:3 imports oryx_megatron.eval",
+        "oryx_megatron/eval/probe.py:1 imports oryx_megatron.cli.errors",
+        "oryx_megatron/experiments/probe.py:1 imports oryx_megatron.hf",
         "oryx_megatron/layers/probe.py:1 imports oryx_megatron.models",
-        "data_prep/probe.py:1 imports oryx_megatron.training",
     ]
 
 
@@ -116,8 +117,9 @@ def test_the_hugging_face_front_end_holds_no_mixing_math():
             for line, module in _imports(path, "oryx_megatron.hf") if module.startswith("oryx_megatron.ops")] == []
 
 # Where megatron-core's version may be read: the compatibility module (which detects features instead), and the
-# GPU check's header, which reports every package's installed version and decides nothing by it.
-VERSION_READERS = {"oryx_megatron/compat/megatron.py", "oryx_megatron/tools/gpu_check.py"}
+# checks' provenance (the GPU check's and the GPU session's headers), which reports every package's installed
+# version and decides nothing by it.
+VERSION_READERS = {"oryx_megatron/compat/megatron.py", "oryx_megatron/checks/provenance.py"}
 _VERSION_ATTRIBUTES = {"__version__", "__shortversion__", "package_info"}
 _DISTRIBUTION_NAMES = {"megatron-core", "megatron_core"}  # what a package-metadata look-up names
 
@@ -130,11 +132,11 @@ def _dotted(node) -> str:
 
 
 def megatron_version_reads(root: Path = ROOT):
-    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/, tools/
-    and data_prep/: its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an
-    import) or its distribution's name (``importlib.metadata.version("megatron-core")``)."""
+    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/ and
+    benchmarks/: its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an import)
+    or its distribution's name (``importlib.metadata.version("megatron-core")``)."""
     found = []
-    for path in sorted(p for part in ("oryx_megatron", "tools", "data_prep") for p in (root / part).rglob("*.py")):
+    for path in sorted(p for part in ("oryx_megatron", "benchmarks") for p in (root / part).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel in VERSION_READERS:
             continue
@@ -169,8 +171,9 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         "oryx_megatron/models/probe.py": "import megatron.core\nv = megatron.core.__version__\n",
         "oryx_megatron/training/probe.py": "from megatron.core import package_info\nimport megatron.core as mc\n"
                                            "v = mc.__version__\n",
-        "tools/bench/probe.py": "import importlib.metadata\nv = importlib.metadata.version('Megatron-Core')\n",
-        "data_prep/probe.py": "from megatron.core.package_info import __version__\nimport megatron.core.package_info\n",
+        "benchmarks/probe.py": "import importlib.metadata\nv = importlib.metadata.version('Megatron-Core')\n",
+        "oryx_megatron/data/prep/probe.py": "from megatron.core.package_info import __version__\n"
+                                            "import megatron.core.package_info\n",
         "oryx_megatron/ops/probe.py": '"""Runs on megatron-core."""\nimport megatron.core.tensor_parallel\nx = t.__version__\n',
         "oryx_megatron/compat/megatron.py": "import megatron.core\nv = megatron.core.__version__\n",
     }
@@ -178,9 +181,8 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert megatron_version_reads(tmp_path) == [f"{where} reads megatron-core's version" for where in (
-        "data_prep/probe.py:1", "data_prep/probe.py:2", "oryx_megatron/models/probe.py:2",
-        "oryx_megatron/training/probe.py:1", "oryx_megatron/training/probe.py:3",
-        "tools/bench/probe.py:2")]
+        "benchmarks/probe.py:2", "oryx_megatron/data/prep/probe.py:1", "oryx_megatron/data/prep/probe.py:2",
+        "oryx_megatron/models/probe.py:2", "oryx_megatron/training/probe.py:1", "oryx_megatron/training/probe.py:3")]
 
 
 def _threads() -> int:

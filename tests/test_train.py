@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from oryx_megatron import RECIPES_DIR
 from oryx_megatron.launch import REQUEUE_EXIT_CODE
 from oryx_megatron.run_config import ConfigError, load_train_config
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 from tests.distributed import run_distributed
 
 TINY_MODEL = [
@@ -108,7 +108,7 @@ def test_resume_continues_exactly(corpus, tmp_path):
 
 
 def test_sigterm_saves_a_checkpoint_and_asks_for_requeue(corpus, tmp_path):
-    args = [sys.executable, "-m", "oryx_megatron.train", *TINY_MODEL, *TINY_TRAIN,
+    args = [sys.executable, "-m", "oryx_megatron.cli.train", *TINY_MODEL, *TINY_TRAIN,
             f"data.data_path=[{corpus['shards']}]", "train.train_iters=400", "model.num_layers=1",
             f"checkpoint.dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run1'}"]
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
@@ -153,7 +153,7 @@ def test_config_errors_name_the_key(corpus, tmp_path, override, message):
 
 
 def test_cli_misspelled_key_fails_before_training(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "oryx_megatron.train", "train.micro_batch_sise=4",
+    out = subprocess.run([sys.executable, "-m", "oryx_megatron.cli.train", "train.micro_batch_sise=4",
                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "micro_batch_sise" in out.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -161,7 +161,7 @@ def test_cli_misspelled_key_fails_before_training(tmp_path):
 
 def test_multirun_sweep_runs_one_job_per_point_through_submitit(corpus, tmp_path):
     """`oryx-train -m ... hydra/launcher=local`: the submitit launcher SLURM sweeps use, executed locally."""
-    args = [sys.executable, "-m", "oryx_megatron.train", "-m", "hydra/launcher=local", *TINY_MODEL, *TINY_TRAIN,
+    args = [sys.executable, "-m", "oryx_megatron.cli.train", "-m", "hydra/launcher=local", *TINY_MODEL, *TINY_TRAIN,
             f"data.data_path=[{corpus['shards']}]", "train.train_iters=2", "model.num_layers=1",
             "optimizer.lr=1e-3,3e-3", "checkpoint.dir=null", f"hydra.sweep.dir={tmp_path}"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=300,
@@ -174,7 +174,7 @@ def test_multirun_sweep_runs_one_job_per_point_through_submitit(corpus, tmp_path
 
 
 def test_get_batch_moves_every_tensor_to_the_device():
-    from oryx_megatron.train import get_batch
+    from oryx_megatron.training.steps import get_batch
 
     batch = {"tokens": torch.zeros(2, 8, dtype=torch.long), "modes": torch.ones(2, 8, dtype=torch.int8)}
     moved = get_batch(iter([batch]), torch.device("meta"))
@@ -189,7 +189,7 @@ def test_eval_loaders_are_built_once_rewound_and_closed(corpus, tmp_path):
 
     from oryx_megatron.compat.cpu import cuda_to_cpu
     from oryx_megatron.parallel import initialize_parallel
-    from oryx_megatron.train import Trainer
+    from oryx_megatron.training.loop import Trainer
 
     run = run_config(corpus, tmp_path, "train.train_iters=2", "train.eval_interval=1", "train.eval_iters=2",
                      "data.num_workers=1", "train.eval_schedules=[all_attention,all_linear]")
@@ -207,7 +207,7 @@ def test_eval_loaders_are_built_once_rewound_and_closed(corpus, tmp_path):
 
 
 def test_a_trainer_that_fails_to_build_closes_what_it_opened(corpus, tmp_path, monkeypatch):
-    import oryx_megatron.train as train_module
+    import oryx_megatron.training.loop as train_module
     from oryx_megatron.compat.cpu import cuda_to_cpu
     from oryx_megatron.parallel import initialize_parallel
 

@@ -4,7 +4,7 @@ layout, and its checkpoint continues at PP=1 as the 1-process run does."""
 
 import numpy as np
 
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 from tests.distributed import run_distributed
 from tests.test_train import _layout_run, losses, run_config
 

@@ -12,6 +12,11 @@ number; nothing else in the project reads megatron-core's version (tests/test_st
   (``thread_count`` 2) and one from 0.17. Nothing counts them: verification follows ``.metadata``.
 - **CUDA on the CPU**: 0.19's DDP grad sync calls ``torch.cuda.current_stream()`` on every step;
   ``compat.cpu`` answers it with the CPU stream (on every version).
+- **The static inference context** (the Transformer baseline's KV cache, ``models.transformer``): built the
+  same way in every release; whether a forward materialises only the last position's logits is the context's
+  ``materialize_only_last_token_logits`` up to 0.18, its ``config``'s (an ``InferenceConfig``) from 0.19
+  (``last_token_logits_only``), where megatron reads it only while its engine's ``InferenceMode`` is active:
+  not set here, so 0.19 computes every position's logits and the model keeps the last.
 """
 
 import io
@@ -57,3 +62,17 @@ def common_state_location(checkpoint: Path, metadata) -> Optional[Location]:
             return Location(info.relative_path, info.offset, info.length,
                             f"{info.relative_path}: object {COMMON_OBJECT}")
     return None
+
+
+def static_inference_context(batch_size: int, capacity: int):
+    """megatron's static-batching inference context for ``batch_size`` sequences of up to ``capacity`` tokens
+    (imported here, at first use: its package pulls in megatron's whole inference engine)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    return StaticInferenceContext(batch_size, capacity)
+
+
+def last_token_logits_only(context, last_only: bool) -> None:
+    """Make the next forward through ``context`` compute the logits of the last position only, or of all."""
+    holder = context if hasattr(context, "materialize_only_last_token_logits") else context.config
+    holder.materialize_only_last_token_logits = last_only

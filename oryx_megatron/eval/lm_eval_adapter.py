@@ -1,9 +1,9 @@
 """lm-evaluation-harness adapter: a loaded Oryx model and tokenizer as an lm-eval ``LM``.
 
 ``OryxLM(model, tokenizer, schedule, batch_size, max_length)`` answers lm-eval's requests;
-the model ``oryx`` of lm-eval's registry, built from a checkpoint path (``model_args``), and
-the command line are in ``oryx_megatron.tools.lm_eval_harness`` (loading a dataset's
-tokenizer is a tools-level job).
+the model ``oryx`` of lm-eval's registry, built from a checkpoint path (``model_args``) and its
+dataset's tokenizer, is ``oryx_megatron.eval.lm_eval_harness``; its command line
+``oryx_megatron.cli.lm_eval``.
 
 Modes follow ``oryx_megatron.inference`` exactly: for a (context, continuation) pair the
 context is the prompt and the continuation the generated tokens, so the fed tokens are
@@ -80,7 +80,7 @@ def score_continuation(model, context_ids: Sequence[int], continuation_ids: Sequ
 class OryxLM(LM):
     """lm-eval's requests answered by ``model`` (on its device, TP = PP = 1) under ``schedule``
     (an inference schedule or its text form); ``tokenizer`` has ``encode_batch``, ``decode``,
-    ``vocab_size`` and ``eod_id`` (``data_prep.tokenizer``'s); ``max_length`` defaults to the
+    ``vocab_size`` and ``eod_id`` (``data.prep.tokenizer``'s); ``max_length`` defaults to the
     model's max_sequence_length."""
 
     def __init__(self, model, tokenizer, schedule="all_attention", batch_size=1, max_length: Optional[int] = None):

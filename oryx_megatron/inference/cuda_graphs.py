@@ -8,10 +8,13 @@ then per step copy the inputs into the graph's static buffers and replay. Warm-u
 step for real and capture advances ``seqlen`` host-side, so both are undone with the caches'
 snapshot/restore. A replay does not run Python, so the runner advances ``seqlen`` itself
 (the in-graph ``position`` advances on replay). ``reserve`` growing a cache invalidates the
-graphs (they hold the old buffers): they are dropped and recaptured at the new capacity.
+graphs (they hold the old buffers): they are dropped and recaptured at the new capacity. A
+capture that raises (a kernel that cannot be captured, a GPU never tried) does not end the
+generation: the step decodes eagerly from then on and says why (``capture_error``, logged).
 """
 
 import dataclasses
+import logging
 import time
 from typing import Callable, Dict, Optional, Tuple, Union
 
@@ -22,6 +25,7 @@ from oryx_megatron.config import Mode
 from oryx_megatron.inference.forward import cached_logits, restore, snapshot
 
 StepFn = Callable[[Tensor, Union[Mode, Tensor]], Tensor]  # (ids [b, 1], modes) -> logits [b, V]
+logger = logging.getLogger(__name__)
 
 
 def use_cuda_graphs(requested: Optional[bool], device: torch.device) -> bool:
@@ -35,9 +39,14 @@ def use_cuda_graphs(requested: Optional[bool], device: torch.device) -> bool:
 
 def decode_step(model, caches, cuda_graphs: bool) -> StepFn:
     """The one-token step through ``caches``: a GraphedDecodeStep, or the eager forward.
-    A step may carry ``capture_seconds`` (time spent capturing, not decoding)."""
+    A step may carry ``capture_seconds`` (time spent capturing, not decoding) and ``capture_error``."""
     if cuda_graphs:
         return GraphedDecodeStep(model, caches)
+    return eager_step(model, caches)
+
+
+def eager_step(model, caches) -> StepFn:
+    """The one-token step as a plain forward through ``caches``."""
     return lambda ids, modes: cached_logits(model, ids, modes, caches)[:, -1]
 
 
@@ -50,25 +59,39 @@ class _Captured:
 
 
 class GraphedDecodeStep:
-    """``step(ids [b, 1], modes) -> logits [b, V]`` replayed from one CUDA graph per mode pattern."""
+    """``step(ids [b, 1], modes) -> logits [b, V]`` replayed from one CUDA graph per mode pattern; after a
+    capture that raised, the eager step (``capture_error`` says why)."""
 
     def __init__(self, model, caches, warmup: int = 2):
         self.model, self.caches, self.warmup = model, caches, warmup
         self.graphs: Dict[Tuple[int, object], _Captured] = {}
-        self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph
+        self.pool = None  # one memory pool for every graph, made at the first capture
         self.capture_seconds = 0.0
+        self.capture_error: Optional[str] = None
+        self.eager = eager_step(model, caches)
 
     def __call__(self, ids: Tensor, modes: Union[Mode, Tensor]) -> Tensor:
+        if self.capture_error is not None:
+            return self.eager(ids, modes)
         grown = [cache.reserve(cache.seqlen + 1) for cache in self.caches]  # every cache, no short-circuit
         if any(grown):
             self.graphs.clear()
         key = (ids.shape[0], modes if isinstance(modes, Mode) else "mixed")
         if key not in self.graphs:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            self.graphs[key] = self._capture(ids, modes)
-            torch.cuda.synchronize()
-            self.capture_seconds += time.perf_counter() - start
+            start, saved = time.perf_counter(), snapshot(self.caches)
+            try:
+                torch.cuda.synchronize()
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                self.graphs[key] = self._capture(ids, modes)
+                torch.cuda.synchronize()
+            except Exception as e:  # decode on, eagerly, from the caches as they were before the capture
+                restore(self.caches, saved)
+                self.capture_error = f"{type(e).__name__}: {e}"
+                logger.warning("CUDA-graph capture failed, decoding eagerly from here on: %s", self.capture_error)
+                return self.eager(ids, modes)
+            finally:
+                self.capture_seconds += time.perf_counter() - start
         captured = self.graphs[key]
         captured.ids.copy_(ids)
         if isinstance(modes, Tensor):

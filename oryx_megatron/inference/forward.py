@@ -15,7 +15,8 @@ from oryx_megatron.data.documents import document_ids as count_documents
 def check_model(model: torch.nn.Module) -> Tuple[torch.device, torch.dtype]:
     """The device and dtype of a model that can decode with caches; else a TypeError/ValueError."""
     if not hasattr(model, "allocate_inference_cache"):
-        raise TypeError(f"generation needs a model with an inference cache (OryxModel), got {type(model).__name__}")
+        raise TypeError(f"generation needs a model with an inference cache (allocate_inference_cache), "
+                        f"got {type(model).__name__}")
     if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
         raise ValueError("generation needs the whole model on one pipeline stage (pipeline_model_parallel_size=1)")
     param = next(model.parameters())

@@ -15,6 +15,8 @@ in place. A call whose tokens all read one mode passes that ``Mode`` (the model 
 only that mixer); the host copy of the modes decides it, so a step syncs with the device only
 to read the sampled tokens. On CUDA the one-token steps replay CUDA graphs (``cuda_graphs``).
 ``kv_cache=False`` keeps no keys/values: linear-only generation, checked before any compute.
+The Transformer baseline decodes through megatron's own KV cache (``models.transformer``): attention
+only, eagerly.
 
 A sequence finishes on a stop token (kept as its last output token, reason "stop") or after
 ``max_new_tokens`` (reason "length"). Finished sequences keep stepping with the batch, their
@@ -40,6 +42,9 @@ from oryx_megatron.inference.forward import (
 from oryx_megatron.inference.routing import ChunkDecisions
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
 from oryx_megatron.inference.schedules import InferenceSchedule, RouterSchedule, as_inference_schedule
+from oryx_megatron.models.transformer import TransformerBaseline
+
+NO_KV_CACHE = "no KV cache (kv_cache=False / --no-kv-cache)"  # what a linear-only cache cannot read
 
 
 @dataclasses.dataclass
@@ -51,6 +56,7 @@ class GenerationStats:
     decode_seconds: float  # CUDA-graph captures excluded (capture_seconds)
     cache_bytes: Dict[str, int]  # kv / recurrent / conv, all layers, allocated
     capture_seconds: float = 0.0  # capturing the CUDA graphs of the decode steps
+    capture_error: Optional[str] = None  # a capture that raised: the steps after it decoded eagerly
     drafted: int = 0  # speculative decoding: tokens drafted in linear mode
     accepted: int = 0  # ... and accepted by the attention-mode verification
 
@@ -113,16 +119,18 @@ class RaggedBatch:
             self.modes[:, start:end] = positions
             self.host_modes[:, start:end] = positions.cpu().numpy()  # the one host sync of a decision
 
-    def require_linear_only(self) -> None:
-        """Refuse (before any compute) a schedule that makes a token read attention: no KV cache to read."""
+    def require_reads(self, mode: Mode, who: str) -> None:
+        """Refuse (before any compute) a schedule that makes a token read another mode than ``mode``: ``who``
+        (the start of the message) cannot read it."""
+        name = mode.name.lower()
+        advice = f"use {'an' if name[0] in 'aeiou' else 'a'} {name}-only schedule such as all_{name}"
         if isinstance(self.schedule, RouterSchedule):
-            raise ValueError(f"no KV cache (kv_cache=False / --no-kv-cache): schedule '{self.schedule}' may make a "
-                             "token read attention; use a linear-only schedule such as all_linear")
-        attention = self.host_modes == Mode.ATTENTION  # [b, span]
-        if attention.any():
-            i, pos = np.argwhere(attention)[0]
-            raise ValueError(f"no KV cache (kv_cache=False / --no-kv-cache): schedule '{self.schedule}' makes position "
-                             f"{pos} of prompt {i} read attention; use a linear-only schedule such as all_linear")
+            raise ValueError(f"{who}: schedule '{self.schedule}' lets the router choose each chunk's mode; {advice}")
+        elsewhere = self.host_modes != mode  # [b, span]
+        if elsewhere.any():
+            i, pos = np.argwhere(elsewhere)[0]
+            raise ValueError(f"{who}: schedule '{self.schedule}' makes position {pos} of prompt {i} read "
+                             f"{Mode(int(self.host_modes[i, pos])).name.lower()}; {advice}")
 
 
 def schedule_prompts(prompts: Sequence[Sequence[int]], schedule, max_new_tokens: int, vocab_limit: int,
@@ -224,19 +232,25 @@ def generate(
     model runs in eval mode, then gets its training flag back.
     """
     device, dtype = check_model(model)
-    graphs = use_cuda_graphs(cuda_graphs, device)
     limit = vocab_size if vocab_size is not None else model.vocab_size  # the padded vocab
     batch = schedule_prompts(prompts, schedule, max_new_tokens, limit, device)
     if not kv_cache:
-        batch.require_linear_only()
+        batch.require_reads(Mode.LINEAR, NO_KV_CACHE)
+    if isinstance(model, TransformerBaseline):  # megatron's KV cache, read eagerly
+        batch.require_reads(Mode.ATTENTION, "the Transformer baseline reads attention only")
+        if cuda_graphs:
+            raise ValueError("cuda_graphs=True: the Transformer baseline decodes eagerly (megatron's KV cache), "
+                             "without CUDA graphs")
+        cuda_graphs = False
+    graphs = use_cuda_graphs(cuda_graphs, device)
     sequences = _Sequences(batch, Sampler(sampling, vocab_size, device), stop_token_ids, output_logits)
     b = len(batch.lengths)
     routed = isinstance(batch.schedule, RouterSchedule)
     with eval_mode(model):
         decisions = ChunkDecisions(model, batch.schedule, b, device) if routed else None
         cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache)
-        prefill_seconds, decode_seconds, capture_seconds = _decode(model, batch, sequences, cache, graphs,
-                                                                   reset_at_eod, decisions, prefill_chunk)
+        prefill_seconds, decode_seconds, step = _decode(model, batch, sequences, cache, graphs, reset_at_eod,
+                                                        decisions, prefill_chunk)
 
     counts = {m.name.lower(): int(n) for m, n in zip(Mode, sequences.fed)}
     stats = GenerationStats(
@@ -246,7 +260,8 @@ def generate(
         decode_tokens=sum(counts.values()) - b * batch.prefill_len,
         decode_seconds=decode_seconds,
         cache_bytes=cache_bytes(cache),
-        capture_seconds=capture_seconds,
+        capture_seconds=getattr(step, "capture_seconds", 0.0),
+        capture_error=getattr(step, "capture_error", None),
     )
     logits_out = [torch.stack(rows) for rows in sequences.logits] if output_logits else None
     return GenerationResult(sequences.tokens, sequences.reasons, stats, logits_out)
@@ -254,7 +269,8 @@ def generate(
 
 def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs: bool, eod_id: Optional[int],
             decisions: Optional[ChunkDecisions], prefill_chunk: Optional[int]):
-    """Prefill, then one-token steps until every sequence is done: (prefill, decode, graph capture) seconds.
+    """Prefill, then one-token steps until every sequence is done: (prefill seconds, decode seconds, the
+    decode step: its graph capture's seconds and error, if any).
     With ``decisions`` (a router schedule) the chunks up to the prefill's end are decided from one routing
     pass over the prefill, each later one at its first position, from that token (``OryxModel.route_step``)."""
     device, t0 = batch.tokens.device, batch.prefill_len
@@ -279,8 +295,7 @@ def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs
         logits = step(batch.tokens[:, pos : pos + 1], batch.mode_arg(pos, pos + 1))
         sequences.count_fed(pos, pos + 1)
         pos += 1
-    capture = getattr(step, "capture_seconds", 0.0)
-    return prefill_seconds, elapsed(start, device) - capture, capture
+    return prefill_seconds, elapsed(start, device) - getattr(step, "capture_seconds", 0.0), step
 
 
 def _prefill(model, batch: RaggedBatch, cache, eod_id: Optional[int], chunk: int) -> Tensor:

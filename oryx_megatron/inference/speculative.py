@@ -45,6 +45,7 @@ from oryx_megatron.inference.generation import (
 from oryx_megatron.inference.routing import ChunkDecisions
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
 from oryx_megatron.inference.schedules import RouterSchedule
+from oryx_megatron.models.transformer import TransformerBaseline
 
 
 def accept_drafts(p: Tensor, q: Tensor, drafts: Tensor, sampler: Sampler) -> Tuple[int, int]:
@@ -128,6 +129,8 @@ def speculative_generate(
     k = speculative_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"speculative_tokens must be an integer >= 1, got {k!r}")
+    if isinstance(model, TransformerBaseline):
+        raise ValueError("speculative decoding drafts in linear mode: the Transformer baseline reads attention only")
     device, dtype = check_model(model)
     graphs = use_cuda_graphs(cuda_graphs, device)
     limit = vocab_size if vocab_size is not None else model.vocab_size
@@ -168,6 +171,7 @@ def speculative_generate(
         decode_seconds=decode_seconds,
         cache_bytes=cache_bytes(caches),
         capture_seconds=capture_seconds,
+        capture_error=getattr(step, "capture_error", None),
         drafted=speculator.drafted,
         accepted=speculator.accepted,
     )

@@ -28,7 +28,7 @@ from oryx_megatron.mixer import ContextParallel
 
 
 class CausalSDPAttention(MegatronModule):
-    """Causal softmax attention over the whole sequence (training and full-sequence forward).
+    """Causal softmax attention over the whole sequence (training, a full forward, megatron's cached decoding).
 
     The scores are scaled by ``softmax_scale`` (1/sqrt(kv_channels) by default) as megatron's
     DotProductAttention scales them (its ``apply_query_key_layer_scaling`` divides and multiplies
@@ -84,17 +84,18 @@ class CausalSDPAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> Tensor:
-        """query [sq, b, np, hn], key and value [sk, b, ng, hn] -> [sq, b, np * hn]; sq == sk.
-        attention_mask: None (causal), or megatron's [b, 1, sq, sk] bool, True where a query does not
-        read (packed documents: the causal mask within each)."""
+        """query [sq, b, np, hn], key and value [sk, b, ng, hn] -> [sq, b, np * hn].
+        attention_mask: megatron's [b, 1, sq, sk] bool, True where a query does not read (packed documents,
+        or queries after sk - sq cached keys), or None: causal over sq == sk, or one query (a decode step,
+        megatron's no_mask) reading every cached key."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("CausalSDPAttention takes no attention_bias or packed_seq_params")
-        if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal:
-            raise ValueError(f"CausalSDPAttention: attn_mask_type={attn_mask_type}, expected causal")
-        if query.shape[0] != key.shape[0]:
-            raise ValueError(
-                f"CausalSDPAttention needs as many queries as keys, got {query.shape[0]} and {key.shape[0]}"
-            )
+        mask_type = attn_mask_type or self.attn_mask_type
+        sq, sk = query.shape[0], key.shape[0]
+        if attention_mask is None and not ((mask_type == AttnMaskType.causal and sq == sk)
+                                           or (mask_type == AttnMaskType.no_mask and sq == 1)):
+            raise ValueError(f"CausalSDPAttention without a mask reads causally over as many queries as keys, or "
+                             f"one query over every key; got attn_mask_type={mask_type}, {sq} queries, {sk} keys")
         repeats = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if repeats > 1:
             key = key.repeat_interleave(repeats, dim=2)
@@ -106,8 +107,8 @@ class CausalSDPAttention(MegatronModule):
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked_rng else nullcontext():
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout_p,
-                is_causal=attention_mask is None, scale=self.softmax_scale,
+                is_causal=attention_mask is None and mask_type == AttnMaskType.causal, scale=self.softmax_scale,
             )
-        sq, b = query.shape[:2]
+        b = query.shape[1]
         context = self.cp.to_sequence(context.transpose(1, 2))  # [b, s / cp, np, hn]
         return context.transpose(0, 1).reshape(sq, b, self.hidden_size_per_partition)

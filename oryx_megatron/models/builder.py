@@ -1,4 +1,4 @@
-"""Model recipes (the ``model`` config group under recipes/) -> megatron configs and models.
+"""Model recipes (the ``model`` config group under oryx_megatron/recipes/) -> megatron configs and models.
 
 Families: ``oryx_tg`` (attention + Gated DeltaNet), ``oryx_tm`` (attention + Mamba-2),
 the single-mixer baselines ``gdn`` and ``mamba2`` (the same layer with one mixer), and
@@ -8,7 +8,6 @@ the single-mixer baselines ``gdn`` and ``mamba2`` (the same layer with one mixer
 from typing import Optional
 
 import torch
-from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
@@ -29,6 +28,7 @@ from oryx_megatron.layers.gpt_attention import CausalSDPAttention
 from oryx_megatron.layers.norms import RMSNorm
 from oryx_megatron.models.oryx_model import OryxModel
 from oryx_megatron.models.specs import get_oryx_layer_spec
+from oryx_megatron.models.transformer import TransformerBaseline
 
 
 def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
@@ -106,27 +106,3 @@ def _gpt_block_spec(transformer_impl: str, config: TransformerConfig, vp_stage: 
     # the block's final norm too (megatron would take WrappedTorchNorm for a layer spec)
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
-
-
-class TransformerBaseline(GPTModel):
-    """megatron's GPTModel (RoPE, SwiGLU, RMSNorm) with OryxModel's call signature.
-
-    ``modes`` is accepted and ignored: a Transformer reads every token with attention.
-    No attention mask is built but for packed documents: both specs' core attention is causal by its
-    mask type.
-    """
-
-    def __init__(self, config, transformer_layer_spec, **kwargs):
-        super().__init__(config, transformer_layer_spec, position_embedding_type="rope", **kwargs)
-
-    def forward(self, input_ids, modes=None, labels=None, inference_cache=None, document_ids=None):
-        """``document_ids`` [b, s] (packed documents): attention within each document, as megatron's
-        attention_mask [b, 1, s, s] (True: not read)."""
-        if inference_cache is not None:
-            raise NotImplementedError("TransformerBaseline has no inference cache yet")
-        mask = None
-        if document_ids is not None:
-            s = document_ids.shape[1]
-            causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-            mask = ~(causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
-        return super().forward(input_ids, position_ids=None, attention_mask=mask, labels=labels)

@@ -19,7 +19,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from . import cuda, selection
+from . import cuda, probe as probing, selection
 from .attention import (
     BlockReads,
     attention_at,
@@ -67,8 +67,9 @@ def get_kernels(backend: str = "auto", env: Optional[selection.KernelEnvironment
     per op the CUDA kernel where it may run (``selection.refusal``) and passes its one-time check
     against the torch op (``probe``, on CUDA), else the torch op, with the reason logged.
 
-    ``env`` (default: this machine) and ``probe`` (default: ``selection.probe`` on CUDA) are
-    parameters so that the conditions can be injected."""
+    ``env`` (default: this machine) and ``probe`` (default: ``probe.probe`` on CUDA, which returns the
+    verdicts a GPU session recorded where $ORYX_KERNEL_PROBES names them) are parameters so that the
+    conditions can be injected."""
     source = "argument"
     if backend == "auto" and os.environ.get(BACKEND_ENV_VAR):
         backend, source = os.environ[BACKEND_ENV_VAR], f"${BACKEND_ENV_VAR}"
@@ -126,7 +127,7 @@ def _without_grad(kernel: Callable, reference: Callable) -> Callable:
 def _probe_on_cuda(op: str, backward: bool = True) -> Optional[str]:
     if not torch.cuda.is_available():
         return None
-    return selection.probe(op, getattr(cuda, op), TORCH_OPS[op], backward=backward)
+    return probing.probe(op, getattr(cuda, op), TORCH_OPS[op], backward=backward)
 
 
 __all__ = [

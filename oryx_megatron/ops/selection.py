@@ -1,12 +1,10 @@
-"""Which CUDA kernels may run here: the known version and architecture conditions, and a one-time
-tiny forward + backward of each kernel against the torch op.
+"""Which CUDA kernels may run here: the known version and architecture conditions.
 
 A kernel that would refuse or mis-compute is never chosen: ``refusal(op, env)`` names the reason
-from the environment alone (no import, so conditions can be injected), ``probe(op)`` runs the
-kernel once on the GPU and compares it with the torch op.
+from the environment alone (no import, so conditions can be injected); ``probe.probe(op)`` then runs
+the kernel once on the GPU and compares it with the torch op.
 """
 
-import functools
 import importlib
 import importlib.metadata
 import os
@@ -15,9 +13,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
-
-from .attention import BlockReads
 
 # op -> (implementation name, the distribution that ships it, minimum version)
 IMPLEMENTATIONS: Dict[str, Tuple[str, Optional[str], Optional[str]]] = {
@@ -31,11 +26,9 @@ IMPLEMENTATIONS: Dict[str, Tuple[str, Optional[str], Optional[str]]] = {
     "block_sparse_causal_attention": ("flex_attention", None, None),
     "gated_rms_norm": ("mamba_ssm", "mamba-ssm", "2.2.0"),
 }
-FORWARD_ONLY = ("causal_conv1d_step", "gated_delta_rule_step", "ssd_step")  # decode kernels: no backward
 # distribution -> its top-level module (whose __version__ counts where a source tree has no metadata)
 DISTRIBUTIONS = {"triton": "triton", "fla-core": "fla", "flash-linear-attention": "fla", "mamba-ssm": "mamba_ssm",
                  "causal-conv1d": "causal_conv1d", "tilelang": "tilelang"}
-PROBE_TOLERANCE = 5e-2  # relative to the largest reference value; bf16 kernels measured 0.2-0.7% (docs/gpu.md)
 
 
 def _version_tuple(version: str) -> Tuple[int, ...]:
@@ -147,86 +140,3 @@ def refusal(op: str, env: KernelEnvironment, backward: bool = True) -> Optional[
             return reason
     return None
 
-
-def example_inputs(op: str, device="cpu", dtype=torch.float32, seed: int = 0, *, b=1, s=128, h=2, d=64) -> tuple:
-    """Positional arguments of ``op`` at valid values: [b, s, h, d] layouts, L2-normalised GDN keys,
-    log decays <= 0, beta in (0, 1), dt > 0, A < 0, and an initial state."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
-    q, k = (F.normalize(rand(b, s, h, d), dim=-1) for _ in range(2))  # [b, s, h, d]
-    v, state = rand(b, s, h, d), rand(b, h, d, d) * 0.1  # state [b, h, d_k, d_v]
-    decay, beta = -rand(b, s, h).abs() * 0.1, rand(b, s, h).sigmoid()  # [b, s, h]
-    dt, A, D = F.softplus(rand(b, s, h) - 2), -rand(h).exp(), rand(h)
-    x, weight, conv_state = rand(b, s, h * d), rand(h * d, 4) * 0.5, rand(b, h * d, 3)  # conv channels h * d
-    read = (torch.arange(s) // 32 % 3 == 0).expand(b, s)  # [b, s]: every third block of 32 reads
-    args = {
-        "causal_conv1d": (x, weight, None, conv_state),
-        "causal_conv1d_step": (x[:, 0], conv_state, weight),
-        "chunk_gated_delta_rule": (q, k, v, decay, beta, None, state, True, 64),
-        "gated_delta_rule_step": (q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0], state),
-        "ssd_chunk_scan": (v, dt, A, k, q, D, state, True, 64),  # x=v, dt, A, B=k, C=q
-        "ssd_step": (v[:, 0], dt[:, 0], A, k[:, 0], q[:, 0], state, D),
-        "causal_attention": (q, k, v),
-        "block_sparse_causal_attention": (q, k, v, read, 32),
-        "gated_rms_norm": (v, rand(b, s, h, d), 1 + rand(h * d) * 0.1, 1e-5),
-    }[op]
-    args = tuple(a.to(device=device, dtype=dtype if a.is_floating_point() else a.dtype) if torch.is_tensor(a) else a
-                 for a in args)
-    if op == "block_sparse_causal_attention":  # the read pattern travels as one BlockReads
-        *qkv, read, block = args
-        return (*qkv, BlockReads(read, block))
-    return args
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
-
-
-def compare(op: str, kernel: Callable, reference: Callable, device, dtype=torch.bfloat16,
-            backward: bool = True) -> Dict[str, float]:
-    """Relative errors of ``kernel`` (``dtype`` inputs on ``device``) against ``reference`` (fp32,
-    same values, same device): every output, and (``backward``, for ops that have one) every input
-    gradient of a random projection of the outputs. Keys: 'out0', 'out1', ..., 'grad0', ..."""
-    inputs = example_inputs(op, device, dtype)
-    tensors = [i for i, a in enumerate(inputs) if torch.is_tensor(a) and a.is_floating_point()]
-    backward = backward and op not in FORWARD_ONLY
-
-    def run(fn, cast):
-        args = [a.detach().to(cast).requires_grad_(backward) if i in tensors else a for i, a in enumerate(inputs)]
-        with torch.set_grad_enabled(backward):
-            out = fn(*args)
-        return args, [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
-
-    args, outs = run(kernel, dtype)
-    ref_args, ref_outs = run(reference, torch.float32)
-    errors = {f"out{i}": _relative_error(o, r) for i, (o, r) in enumerate(zip(outs, ref_outs))}
-    if not backward:
-        return errors
-    g = torch.Generator().manual_seed(1)
-    weights = [torch.randn(r.shape, generator=g).to(device) for r in ref_outs]
-    for ys in (outs, ref_outs):
-        sum((y.float() * w).sum() for y, w in zip(ys, weights)).backward()
-    for n, i in enumerate(tensors):
-        errors[f"grad{n}"] = _relative_error(args[i].grad, ref_args[i].grad)
-    return errors
-
-
-@functools.lru_cache(maxsize=None)
-def probe(op: str, kernel: Callable, reference: Callable, device="cuda", backward: bool = True) -> Optional[str]:
-    """Run ``kernel`` once on tiny inputs, forward and (``backward``) backward, against the torch op:
-    None when every output and gradient agrees within PROBE_TOLERANCE, else why not (an exception
-    counts)."""
-    try:
-        errors = compare(op, kernel, reference, device, backward=backward)
-    except Exception as e:  # a kernel that refuses, or fails to compile
-        return f"its one-time check raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    bad = {name: err for name, err in errors.items() if not err <= PROBE_TOLERANCE}
-    if bad:
-        worst = max(bad, key=bad.get)
-        return (f"its one-time check differs from the torch op: {worst} relative error {bad[worst]:.3g} "
-                f"> {PROBE_TOLERANCE}")
-    return None

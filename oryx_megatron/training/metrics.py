@@ -12,16 +12,6 @@ import torch
 logger = logging.getLogger("oryx_megatron.train")
 
 
-def flops_per_token(config, seq_length: int, num_params: int, vocab_size: int, tied: bool) -> float:
-    """Approximate training FLOPs per token: 6 per weight that multiplies (the embedding
-    lookup does not; the output projection does) plus causal attention, 6 * layers * seq *
-    heads * d_k. Both mixers run on every token in the parallel forward, so the attention
-    term counts whatever the modes."""
-    matmul_params = num_params - (0 if tied else vocab_size * config.hidden_size)
-    attention = 6 * config.num_layers * seq_length * config.num_attention_heads * config.kv_channels
-    return 6 * matmul_params + (attention if getattr(config, "has_attention", True) else 0)
-
-
 def memory_gb() -> float:
     """Peak device memory (CUDA) or this process's peak RSS (CPU), in GB."""
     if torch.cuda.is_available():
@@ -155,28 +145,50 @@ def format_line(iteration: int, m: Dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+COUNTERS = ("train/loss_spikes", "train/skipped_steps")  # events per log interval: their own panel, not nats
+
+
 def plot_loss_curve(history: List[Dict[str, float]], path: Path) -> Optional[Path]:
-    """Training loss (overall and per mode) and eval losses against iterations."""
-    import matplotlib
+    """``loss_curve_figure`` as a PNG at ``path`` (None: nothing to draw)."""
+    fig = loss_curve_figure(history)
+    if fig is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    keys = sorted({k for row in history for k in row if k.startswith(("train/loss", "eval/"))})
+def loss_curve_figure(history: List[Dict[str, float]]):
+    """Training loss (overall and per mode) and eval losses against iterations; below, on their own axis,
+    the counters (loss spikes and skipped steps per log interval). None without a loss."""
+    from matplotlib.figure import Figure  # no pyplot: renders with Agg, no global backend
+
+    keys = sorted({k for row in history for k in row if k.startswith(("train/loss", "eval/")) and k not in COUNTERS})
     if not keys:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 5))
+    ax, counts = fig.subplots(2, 1, sharex=True, height_ratios=(4, 1))
     for key in keys:
         points = [(row["iteration"], row[key]) for row in history if key in row and row[key] == row[key]]
         if points:
             style = "o--" if key.startswith("eval/") else "-"
             ax.plot(*zip(*points), style, label=key, markersize=3)
-    ax.set_xlabel("iteration")
     ax.set_ylabel("loss (nats/token)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    events = {key: [(row["iteration"], row[key]) for row in history if row.get(key)] for key in COUNTERS}
+    for (key, points), marker in zip(events.items(), "x+"):
+        if points:
+            counts.plot(*zip(*points), marker, label=key, markersize=6)
+    if any(events.values()):
+        counts.legend(fontsize=8)
+    else:
+        counts.text(0.5, 0.5, "no loss spikes, no skipped steps", transform=counts.transAxes, ha="center",
+                    va="center", fontsize=8, color="gray")
+    counts.set_ylabel("events", fontsize=8)
+    counts.set_ylim(0, 1.3 * max([1] + [n for points in events.values() for _, n in points]))
+    counts.yaxis.get_major_locator().set_params(integer=True)
+    counts.set_xlabel("iteration")
+    counts.grid(alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig

@@ -7,7 +7,7 @@ for ``data.format=indexed``), the data's tokenizer vocab against ``model.vocab_s
 held-out split (the shard count against ``data.holdout_shards``; a one-document source against
 ``data.seq_length``) and the batch sizes against the data-parallel size of the launch
 (``WORLD_SIZE``). It logs one line saying what is held out. ``oryx-train`` calls it first and
-prints the error as one line (``ORYX_DEBUG=1``: the traceback). Only reads files; never
+prints the error as one line (``cli.errors``; ``--debug``: the traceback). Only reads files; never
 imports the loaders' workers.
 """
 

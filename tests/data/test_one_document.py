@@ -6,12 +6,12 @@ import logging
 import numpy as np
 import pytest
 
-from data_prep.cli import main as oryx_prep
+from oryx_megatron.cli.prep import main as oryx_prep
 from oryx_megatron.data.loader import ShardLoader
 from oryx_megatron.data.shards import Manifest, Part, read_documents
 from oryx_megatron.run_config import ConfigError
-from oryx_megatron.train import pretrain
 from oryx_megatron.training.builders import build_loader
+from oryx_megatron.training.loop import pretrain
 from oryx_megatron.training.validation import validate_run
 from tests.data.conftest import prepare, unique_docs
 from tests.test_train import losses, run_config

@@ -9,11 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
-from data_prep import PrepError
-from data_prep.cli import main
-from data_prep.inputs import InputOptions, Piece, expand_inputs, iter_documents, plan_shards, stdlib_files
-from data_prep.pipeline import tokenize_corpus
-from data_prep.tokenizer import ByteTokenizer, train_bpe
+from oryx_megatron.data.prep import PrepError
+from oryx_megatron.cli.prep import main
+from oryx_megatron.data.prep.inputs import InputOptions, Piece, expand_inputs, iter_documents, plan_shards, stdlib_files
+from oryx_megatron.data.prep.pipeline import tokenize_corpus
+from oryx_megatron.data.prep.tokenizer import ByteTokenizer, train_bpe
 from oryx_megatron.data.loader import ShardLoader
 from oryx_megatron.data.shards import Manifest, read_documents
 from tests.data.conftest import LINE_BYTES, prepare, unique_docs, write_jsonl
@@ -159,8 +159,9 @@ def test_cli_trains_tokenizes_and_inspects(tmp_path, capsys):
     assert manifest.tokenizer["kind"] == "hf" and manifest.vocab_size == 300 and manifest.documents == 40
     assert main(["inspect", str(out), "--show", "1"]) == 0
     assert f"{len(manifest.shards)} shards, 40 documents" in capsys.readouterr().out
-    assert main(["tokenize", str(tmp_path / "missing"), "--out", str(out)]) == 1
-    assert "oryx-prep: error: input" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tokenize", str(tmp_path / "missing"), "--out", str(out)])
+    assert exit_info.value.code == 2 and "oryx-prep: error: input" in capsys.readouterr().err
 
 
 def test_stdlib_corpus_is_the_interpreters_sources():

@@ -13,7 +13,7 @@ from oryx_megatron.data.modes import random_chunks
 from oryx_megatron.data.synthetic import MQARLoader
 from oryx_megatron.data.tasks.mqar import solve_mqar
 from oryx_megatron.run_config import ConfigError, load_train_config
-from oryx_megatron.train import pretrain
+from oryx_megatron.training.loop import pretrain
 
 SCHEDULE = {"name": "random_chunks", "chunk_size": 8, "p_attention": 0.5}
 

@@ -59,7 +59,7 @@ def last_line(stderr: str) -> str:
 
 def train(tmp_path, *overrides, data=None, corpus=None):
     data = data or [f"data.data_path=[{corpus['shards']}]"]
-    return run([sys.executable, "-m", "oryx_megatron.train", *TINY_MODEL, *TINY_TRAIN, *data, "train.train_iters=2",
+    return run([sys.executable, "-m", "oryx_megatron.cli.train", *TINY_MODEL, *TINY_TRAIN, *data, "train.train_iters=2",
                 "checkpoint.dir=null", *overrides], cwd=tmp_path)
 
 
@@ -209,8 +209,8 @@ def test_generate_bad_schedule(tiny_checkpoint, tmp_path):
 
 
 def test_generate_tokenizer_larger_than_the_model(tiny_checkpoint, tmp_path):
-    from data_prep.inputs import stdlib_files
-    from data_prep.tokenizer import train_bpe
+    from oryx_megatron.data.prep.inputs import stdlib_files
+    from oryx_megatron.data.prep.tokenizer import train_bpe
 
     tokenizer = train_bpe((f.read_text(errors="replace") for f in stdlib_files()[:20]), 300, tmp_path / "tok.json")
     assert tokenizer.vocab_size > 257
@@ -246,7 +246,7 @@ def prep(tmp_path, *args):
 
 
 def assert_prep_error(out, tmp_path, line):
-    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     assert last_line(out.stderr) == line  # on a line of its own, not after the progress bar
     assert not (tmp_path / "out").exists()

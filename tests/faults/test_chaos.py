@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from oryx_megatron.tools import chaos_train
+from oryx_megatron.checks.chaos import driver as chaos_train
 
 KILLS, ITERS, SAVE_INTERVAL = 3, 12, 3  # ~5 process starts of ~8 s each on 2 cores
 

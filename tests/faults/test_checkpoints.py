@@ -21,8 +21,8 @@ from oryx_megatron import checkpoint
 from oryx_megatron.checkpoint import CheckpointError, apply_retention, verify_checkpoint
 from oryx_megatron.compat.megatron import common_state_location
 from oryx_megatron.inference.checkpoint import load_model
-from oryx_megatron.train import pretrain
 from oryx_megatron.training import metrics
+from oryx_megatron.training.loop import pretrain
 from tests.test_train import losses, run_config
 
 # 6 iterations of a 1-layer model, a checkpoint every 2
@@ -158,7 +158,7 @@ def test_a_pickle_that_would_run_code_is_refused(stopped, tmp_path, capsys):
 
 @pytest.mark.parametrize("target", ["run_dir", "iteration_dir"])
 def test_oryx_eval_on_a_damaged_checkpoint_is_one_line(stopped, tmp_path, capsys, target):
-    from oryx_megatron.tools.evaluate import main
+    from oryx_megatron.cli.evaluate import main
 
     run = copy_of(stopped, tmp_path)
     truncate(run / "ckpt/iter_0000004/__0_0.distcp")

@@ -110,7 +110,7 @@ def one_shard(tmp_path_factory):
 
 
 def test_single_shard_dataset_trains_and_evaluates(one_shard, tmp_path):
-    from oryx_megatron.train import pretrain
+    from oryx_megatron.training.loop import pretrain
 
     assert len(one_shard.shards) == 1
     train = ShardLoader(one_shard.root, seq_len=SEQ, micro_batch_size=1, holdout_shards=1)
@@ -157,7 +157,7 @@ def test_out_of_vocab_ids_are_an_error_naming_the_shard(dataset, tmp_path):
 
 def _trainer(corpus, tmp_path, *overrides):
     from oryx_megatron.parallel import initialize_parallel
-    from oryx_megatron.train import Trainer
+    from oryx_megatron.training.loop import Trainer
 
     run = run_config(corpus, tmp_path, *overrides)
     initialize_parallel(seed=run.train.seed)
@@ -201,7 +201,7 @@ def test_nan_loss_skips_the_step_counts_it_and_training_continues(corpus, tmp_pa
 
 def test_max_skipped_steps_in_a_row_stop_the_run_keeping_the_last_good_checkpoint(corpus, tmp_path):
     from oryx_megatron.compat.cpu import cuda_to_cpu
-    from oryx_megatron.train import NumericalFault, pretrain
+    from oryx_megatron.training.loop import NumericalFault, pretrain
 
     args = ["train.train_iters=8", "train.max_skipped_steps=2", "checkpoint.save_interval=2"]
     with cuda_to_cpu(), _trainer(corpus, tmp_path, *args) as trainer:

@@ -1,6 +1,10 @@
-"""Backend selection (`get_kernels`) and the CUDA wrappers' torch fallback on CPU tensors."""
+"""Backend selection (`get_kernels`), the one-time probe of a kernel against its torch op, and the CUDA
+wrappers' torch fallback on CPU tensors. Without a GPU the wrappers run the torch op, so no test here checks a
+CUDA kernel (the GPU check and `make test-kernels` do); what the probe catches is proved with mutants of the
+torch ops put in a kernel's place."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -8,6 +12,7 @@ import torch.nn.functional as F
 
 from oryx_megatron import ops
 from oryx_megatron.ops import BACKEND_ENV_VAR, Kernels, cuda, get_kernels, selection
+from oryx_megatron.ops import probe as probing
 from oryx_megatron.ops.selection import KernelEnvironment
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
@@ -57,6 +62,7 @@ def test_kernels_is_frozen_and_complete():
 
 
 def test_cuda_wrappers_fall_back_to_torch_on_cpu_tensors():
+    """The wrappers' routing by device: CPU tensors go to the torch op itself (bitwise the same result)."""
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     b, s, h, d = 2, 9, 2, 4
@@ -161,14 +167,14 @@ def test_a_backward_only_refusal_keeps_the_kernel_where_no_gradient_is_needed(mo
 
     monkeypatch.setattr(cuda, "chunk_gated_delta_rule", fla)
     kernels = get_kernels("auto", env=hopper(*with_version("triton", "3.6.0")), probe=passing_probe)
-    args = selection.example_inputs("chunk_gated_delta_rule", s=16)
-    kernels.chunk_gated_delta_rule(*args)  # no input requires a gradient
+    args = call_arguments("chunk_gated_delta_rule")
+    kernels.chunk_gated_delta_rule(**args)  # no input requires a gradient
     with torch.no_grad():
-        kernels.chunk_gated_delta_rule(args[0].requires_grad_(), *args[1:])
+        kernels.chunk_gated_delta_rule(**{**args, "q": args["q"].requires_grad_()})
     assert calls == ["fla", "fla"]
-    o, _ = kernels.chunk_gated_delta_rule(*args)  # q requires grad, grad mode on: the torch op
+    o, _ = kernels.chunk_gated_delta_rule(**args)  # q requires grad, grad mode on: the torch op
     o.sum().backward()
-    assert calls == ["fla", "fla"] and args[0].grad is not None
+    assert calls == ["fla", "fla"] and args["q"].grad is not None
 
 
 def test_a_kernel_whose_backward_fails_its_check_runs_only_without_grad(fresh_selection):
@@ -190,24 +196,90 @@ def test_a_failed_probe_falls_back_and_cuda_backend_names_it():
         get_kernels("cuda", env=hopper(*with_version("triton", "3.6.0")), probe=passing_probe)
 
 
+def call_arguments(op: str, shape=(1, 16, 2, 8)) -> dict:
+    """Keyword arguments of one call of ``op``: the probe's valid values, in the dtypes the layers pass."""
+    values = probing.kernel_inputs(op, shape, True, torch.Generator().manual_seed(0))
+    return {name: v[0].to(v[1]) if isinstance(v, tuple) else v for name, v in values.items()}
+
+
+def _gradient_times(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x in the forward; its gradient multiplied by ``factor`` in the backward."""
+    return x * factor - (x * (factor - 1)).detach()
+
+
+def forward_mutant(op):
+    """The torch op with its first output 10% off."""
+    def kernel(**kwargs):
+        out = getattr(ops, op)(**kwargs)
+        return (out[0] * 1.1, *out[1:]) if isinstance(out, tuple) else out * 1.1
+    return kernel
+
+
+def backward_mutant(op):
+    """The torch op, right in the forward, with the gradient of its first input 10% off."""
+    def kernel(**kwargs):
+        first = next(name for name, v in kwargs.items() if torch.is_tensor(v) and v.is_floating_point())
+        return getattr(ops, op)(**{**kwargs, first: _gradient_times(kwargs[first], 1.1)})
+    return kernel
+
+
 @pytest.mark.parametrize("op", ops.OPS)
-def test_probe_accepts_a_kernel_that_matches_the_torch_op(op):
-    # on CPU the CUDA wrappers run the torch op: bf16 against fp32 stays inside the tolerance
-    errors = selection.compare(op, getattr(cuda, op), getattr(ops, op), "cpu")
-    assert max(errors.values()) <= selection.PROBE_TOLERANCE, errors
-    assert any(name.startswith("grad") for name in errors) == (op not in selection.FORWARD_ONLY)
+def test_probe_accepts_the_torch_op_in_bf16_and_refuses_its_mutants(op):
+    """The CUDA wrapper on CPU is the torch op: in bf16 against fp64 it stays inside the tolerance (the
+    tolerance does not refuse a right kernel); a wrong forward is refused, and so is a wrong gradient
+    where the op has a backward (while calls without a gradient may still use it)."""
+    assert probing.probe(op, getattr(cuda, op), getattr(ops, op), "cpu") is None
+    errors = probing.probe_errors(op, getattr(cuda, op), getattr(ops, op), "cpu", backward=True)
+    assert max(errors.values()) <= probing.PROBE_TOLERANCE, errors
+    assert set(errors) >= set(probing.OUTPUT_NAMES[op])
+    assert any(name.startswith("d") for name in errors) == (op in probing.SEQUENCE_OPS)
+    wrong = forward_mutant(op)
+    assert "differs from the torch op" in probing.probe(op, wrong, getattr(ops, op), "cpu")
+    assert probing.probe(op, wrong, getattr(ops, op), "cpu", backward=False).startswith(
+        f"its one-time check differs from the torch op: {probing.OUTPUT_NAMES[op][0]} relative error ")
+    if op in probing.SEQUENCE_OPS:
+        bad_gradient = backward_mutant(op)
+        assert "differs from the torch op: d" in probing.probe(op, bad_gradient, getattr(ops, op), "cpu")
+        assert probing.probe(op, bad_gradient, getattr(ops, op), "cpu", backward=False) is None
 
 
-def test_probe_rejects_a_kernel_that_computes_something_else_or_raises():
-    def wrong_scan(x, dt, A, B, C, D=None, initial_state=None, output_final_state=True, chunk_size=64):
-        return ops.ssd_chunk_scan(x, dt * 1.1, A, B, C, D, initial_state, output_final_state, chunk_size)
-
+def test_probe_rejects_a_kernel_that_raises():
     def refusing(*args, **kwargs):
         raise RuntimeError("Triton >= 3.4.0 on Hopper GPUs produces incorrect results")
 
-    assert "differs from the torch op" in selection.probe("ssd_chunk_scan", wrong_scan, ops.ssd_chunk_scan, "cpu")
-    assert selection.probe("chunk_gated_delta_rule", refusing, ops.chunk_gated_delta_rule, "cpu") == (
+    assert probing.probe("chunk_gated_delta_rule", refusing, ops.chunk_gated_delta_rule, "cpu") == (
         "its one-time check raised RuntimeError: Triton >= 3.4.0 on Hopper GPUs produces incorrect results")
+
+
+@pytest.fixture
+def fresh_probes():
+    """Probe verdicts are cached per (op, kernel, reference, device, direction): forget the ones a test made."""
+    probing.probe.cache_clear()
+    yield
+    probing.probe.cache_clear()
+
+
+def test_recorded_session_verdicts_are_returned_without_running_the_kernel(tmp_path, monkeypatch, fresh_probes):
+    """A GPU session probes each kernel once, in a process of its own; later processes read its verdicts
+    ($ORYX_KERNEL_PROBES) and never run a kernel whose probe crashed."""
+    def crash(*args, **kwargs):
+        raise AssertionError("a recorded kernel was run again")
+
+    path = tmp_path / "kernel_probes.json"
+    path.write_text(json.dumps({"verdicts": {
+        "ssd_step": {"forward": "its probe process was killed by SIGSEGV",
+                     "backward": "its probe process was killed by SIGSEGV"},
+        "chunk_gated_delta_rule": {"forward": None, "backward": "its one-time check differs: dq 0.3"}}}))
+    monkeypatch.setenv(probing.PROBES_ENV_VAR, str(path))
+    assert probing.probe("ssd_step", crash, ops.ssd_step, "cpu") == "its probe process was killed by SIGSEGV"
+    assert probing.probe("chunk_gated_delta_rule", crash, ops.chunk_gated_delta_rule, "cpu", backward=False) is None
+    assert probing.probe("chunk_gated_delta_rule", crash, ops.chunk_gated_delta_rule, "cpu") == (
+        "its one-time check differs: dq 0.3")
+    assert probing.probe("ssd_chunk_scan", cuda.ssd_chunk_scan, ops.ssd_chunk_scan, "cpu") is None  # not recorded: run
+    path.write_text("{")
+    probing.probe.cache_clear()
+    with pytest.raises(ValueError, match=rf"\${probing.PROBES_ENV_VAR}={path}: not a file of kernel probe verdicts"):
+        probing.probe("ssd_step", crash, ops.ssd_step, "cpu")
 
 
 def test_compile_is_seen_disabled_by_either_variable(monkeypatch):

@@ -1,5 +1,5 @@
 """The per-head gated RMSNorm of the mixer output (the torch op; mamba-ssm's kernel is checked
-against it by ``selection.probe`` and gpu_check)."""
+against it by ``ops.probe.probe`` and the GPU check)."""
 
 import torch
 import torch.nn.functional as F

@@ -1,0 +1,205 @@
+"""Running one training attempt of the chaos driver and watching it: its metrics as they are appended,
+the checkpoint saves in progress, the kill when it is armed, and what its process group leaves behind."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from oryx_megatron.checks.chaos.plan import Kill
+
+POLL_S = 0.002
+
+
+@dataclass
+class Stats:
+    step_s: List[float] = field(default_factory=list)
+    save_s: List[float] = field(default_factory=list)  # saves after the first of a process
+    first_save_s: List[float] = field(default_factory=list)  # + starting megatron's writer Manager process
+    leftovers: List[int] = field(default_factory=list)  # processes of each attempt's group alive after it ended
+
+    def step_time(self) -> float:
+        return sorted(self.step_s)[len(self.step_s) // 2] if self.step_s else 0.05
+
+    def save_time(self, first: bool = False) -> float:
+        """The shortest save seen (of a process's first saves, or of the others): kills within it land inside."""
+        seen = self.first_save_s if first else self.save_s
+        return min(seen) if seen else 0.02
+
+
+class MetricsTail:
+    """The rows of a metrics.jsonl as they are appended (a line cut by a SIGKILL is skipped)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.rows, self.buffer = path, 0, [], ""
+        self.arrived: List[Tuple[float, int]] = []
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            chunk = f.read()
+            self.offset = f.tell()
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split("\n")
+        for line in lines:
+            row = parse_row(line)
+            if row is not None:
+                self.rows.append(row)
+                if "train/loss" in row:
+                    self.arrived.append((time.monotonic(), row["iteration"]))
+
+    def finish(self) -> None:
+        self.poll()
+        if self.buffer:
+            row = parse_row(self.buffer)
+            if row is not None:
+                self.rows.append(row)
+            self.buffer = ""
+
+    @property
+    def last(self) -> int:
+        return max((row["iteration"] for row in self.rows if "train/loss" in row), default=-1)
+
+
+def parse_row(line: str) -> Optional[dict]:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("iteration"), int) else None
+
+
+def latest_iteration(ckpt_dir: Path) -> int:
+    try:
+        return int((ckpt_dir / "latest").read_text().strip().split("_")[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def written_since(ckpt_dir: Path, since: float) -> List[int]:
+    """Iterations whose directory this process created or rewrote: a save (re)creates the directory
+    first; older trainers wrote run_config.yaml into a kept directory first, so its mtime counts too."""
+    found = []
+    try:
+        entries = list(os.scandir(ckpt_dir))
+    except OSError:
+        return found
+    for entry in entries:
+        if not (entry.name.startswith("iter_") and entry.is_dir()):
+            continue
+        try:
+            stamp = entry.stat().st_mtime
+            config = Path(entry.path) / "run_config.yaml"
+            if config.exists():
+                stamp = max(stamp, config.stat().st_mtime)
+        except OSError:
+            continue
+        if stamp >= since:
+            found.append(int(entry.name[5:]))
+    return found
+
+
+class SaveWatch:
+    """Saves in progress (an iteration dir newer than `latest`) and how long completed ones took."""
+
+    def __init__(self, ckpt_dir: Path, since: float, stats: Stats):
+        self.ckpt_dir, self.since, self.stats = ckpt_dir, since, stats
+        self.started: Dict[int, float] = {}
+        self.completed = 0
+
+    def poll(self) -> Optional[int]:
+        latest = latest_iteration(self.ckpt_dir)
+        for it in written_since(self.ckpt_dir, self.since):
+            if it > latest and it not in self.started:
+                self.started[it] = time.monotonic()
+        for it in [it for it in self.started if it <= latest]:
+            seconds = time.monotonic() - self.started.pop(it)
+            (self.stats.save_s if self.completed else self.stats.first_save_s).append(seconds)
+            self.completed += 1
+        return max(self.started, default=None)
+
+
+def run_attempt(cmd: List[str], env: dict, run_dir: Path, ckpt_dir: Path, log_path: Path, kill: Optional[Kill],
+                rng: random.Random, stats: Stats, timeout: float) -> Tuple[int, MetricsTail, float]:
+    """Run one training process to its end, delivering `kill` when it is armed."""
+    since = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    tail, saves = MetricsTail(run_dir / "metrics.jsonl"), SaveWatch(ckpt_dir, since, stats)
+    deadline, fire_at, armed_save, missed = time.monotonic() + timeout, None, None, False
+    try:
+        while proc.poll() is None:
+            tail.poll()
+            in_progress = saves.poll()
+            if kill is not None and not kill.sent:
+                if fire_at is None and tail.last >= kill.target:
+                    if kill.aim == "step":
+                        fire_at = time.monotonic() + rng.uniform(0.0, stats.step_time())
+                    elif in_progress is not None and in_progress >= kill.target:
+                        armed_save = in_progress
+                        first = saves.completed == 0
+                        # a random point of the save; after a miss (the load varies), at once
+                        delay = 0.0 if missed else rng.uniform(0.0, 0.5 * stats.save_time(first))
+                        fire_at = time.monotonic() + delay
+                        kill.events.append(f"{time.time() - since:.3f}: save of {armed_save} seen, "
+                                           f"kill in {fire_at - time.monotonic():.3f} s")
+                if armed_save is not None and armed_save not in saves.started:
+                    kill.events.append(f"{time.time() - since:.3f}: save of {armed_save} finished first")
+                    fire_at, armed_save, missed = None, None, True  # kill inside the next one at once
+                if fire_at is not None and time.monotonic() >= fire_at:
+                    if kill.signal == "SIGKILL":  # a dead node: the trainer and every process it started
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    else:  # preemption: the scheduler signals the trainer, which saves and exits
+                        proc.send_signal(signal.SIGTERM)
+                    kill.sent = True
+                    kill.events.append(f"{time.time() - since:.3f}: {kill.signal} sent")
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise TimeoutError(f"{' '.join(cmd)} ran past {timeout:.0f} s; see {log_path}")
+            time.sleep(POLL_S)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reap_group(proc.pid)
+        raise
+    stats.leftovers.append(reap_group(proc.pid))
+    tail.finish()
+    saves.poll()
+    times = [t for t, _ in tail.arrived]
+    stats.step_s += [b - a for a, b in zip(times, times[1:]) if b - a < 1.0]  # not the 1st save's pause
+    return proc.returncode, tail, since
+
+
+def _group_size(pgid: int) -> int:
+    """Live (not zombie) processes of a process group, from /proc (0 where there is no /proc)."""
+    left = 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                state, _, pgrp = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+            except (OSError, IndexError, ValueError):
+                continue
+            left += int(pgrp) == pgid and state != "Z"
+    return left
+
+
+def reap_group(pgid: int) -> int:
+    """SIGKILL what is left of a trainer's process group 2 s after the trainer ended (e.g. the
+    checkpoint writer's multiprocessing Manager when the trainer was killed); returns how many."""
+    deadline = time.monotonic() + 2.0
+    while (left := _group_size(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return left

@@ -1,0 +1,1 @@
+"""oryx-gpu-check: the project checked on one GPU, one module per section (``command`` runs them)."""

@@ -1,0 +1,50 @@
+"""One kernel's probe in a process of its own (the GPU session starts one per op, under a time limit):
+a kernel that segfaults or leaves a sticky CUDA error ends this process, not the session.
+
+    python -m oryx_megatron.checks.session.probe_child OP --json PATH [--crash]
+
+Writes {"forward": reason or null, "backward": reason or null, "device": ...} to PATH: the reason why
+``get_kernels`` must not use the kernel (a known condition of ``selection.refusal``, else what
+``ops.probe.probe`` found), per direction. Without CUDA the probe runs the wrappers on CPU tensors (the
+torch op): the CPU rehearsal. ``--crash`` kills this process with SIGSEGV first (the rehearsal of a
+kernel that segfaults).
+"""
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from oryx_megatron import ops
+from oryx_megatron.ops import cuda, selection
+from oryx_megatron.ops import probe as probing
+
+
+def verdicts(op: str) -> dict:
+    env = selection.KernelEnvironment.detect()
+    device = "cuda" if env.cuda else "cpu"
+    found = {"device": device}
+    for direction in ("forward", "backward"):
+        backward = direction == "backward"
+        known = selection.refusal(op, env, backward=backward) if env.cuda else None
+        found[direction] = known or probing.probe(op, getattr(cuda, op), ops.TORCH_OPS[op], device, backward)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("op", choices=ops.OPS)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--crash", action="store_true", help="rehearsal: die by SIGSEGV before probing")
+    args = parser.parse_args()
+    if args.crash:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    torch.manual_seed(0)
+    args.json.write_text(json.dumps(verdicts(args.op)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""``run_experiment``: per (variant, model), match the width, sweep the learning rate, train (or reuse) and
+test every seed; then write results.json, results.md and the plot."""
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Dict, List
+
+from oryx_megatron.eval.validation import validation_loss
+from oryx_megatron.experiments.config import EVALS, Experiment, eval_arguments
+from oryx_megatron.experiments.plots import plot_bars, plot_curves, plot_fractions
+from oryx_megatron.experiments.runs import (
+    choose_lr, lr_overrides, overrides, run_overrides, train_and_load, width_overrides,
+)
+from oryx_megatron.experiments.tables import markdown_table, pivot_table, summarize, sweep_table
+from oryx_megatron.run_config import TrainConfig
+
+logger = logging.getLogger("oryx_megatron.experiment")
+
+def sweep_lr(exp: Experiment, model: str, config: List[str], out: Path) -> Dict[float, List[float]]:
+    """Validation loss of ``model`` per learning rate of the grid, one per sweep seed."""
+    v = exp.validation
+    losses = {}
+    for lr in exp.lrs:
+        losses[lr] = []
+        for seed in exp.sweep_seeds:
+            net, run, name = train_and_load(model, seed, config + lr_overrides(lr), out)
+            losses[lr].append(validation_loss(net, run, v.seed, v.num_samples, v.batch_size))
+            logger.info("sweep %s lr=%g: validation loss %.4f", name, lr, losses[lr][-1])
+    return losses
+
+
+def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
+    """Per (variant, model): match its width, sweep its learning rate on the validation split
+    (if ``exp.lrs``), then train (or reuse) and test every seed; write the results."""
+    exp_dir = out / exp.name
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    rows, sweeps, started = [], [], time.perf_counter()
+    for variant in exp.variants:
+        base = run_overrides(exp) + overrides(exp.variants[variant] or {}) + extra
+        widths = width_overrides(exp, base)
+        for model in exp.models:
+            config = base + widths[model]
+            if exp.lrs:
+                losses = sweep_lr(exp, model, config, out)
+                lr = choose_lr(losses)
+                sweeps.append(dict(variant=variant, model=model, lr=lr, seeds=exp.sweep_seeds,
+                                   validation_loss={str(k): v for k, v in losses.items()}))
+                config = config + lr_overrides(lr)
+            for seed in exp.seeds:
+                net, run, name = train_and_load(model, seed, config, out)
+                if exp.router is not None:  # its router, fitted to the frozen run
+                    fitted = ["router=posthoc", f"router.init_from={out / 'runs' / name / 'checkpoints'}"]
+                    net, run, name = train_and_load(model, seed, config + fitted + overrides(exp.router), out)
+                logger.info("testing %s", name)
+                eval_dir = exp_dir / "evals" / name
+                eval_dir.mkdir(parents=True, exist_ok=True)
+                result = evaluate(exp, net, run, eval_dir)
+                params = sum(p.numel() for p in net.parameters())
+                rows += [dict(variant=variant, model=model, seed=seed, run=name, params=params,
+                              lr=run.optimizer.lr, **row) for row in result["rows"]]
+    summary = summarize(rows, exp.metrics)
+    results = dict(experiment=exp.name, claim=exp.claim, seeds=exp.seeds, train=run_overrides(exp) + extra,
+                   variants={k: overrides(v or {}) for k, v in exp.variants.items()}, eval=exp.eval,
+                   match_params=exp.match_params, validation=dataclasses.asdict(exp.validation), sweeps=sweeps,
+                   wall_time_s=round(time.perf_counter() - started, 1), summary=summary, rows=rows)
+    (exp_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (exp_dir / "results.md").write_text(results_markdown(exp, summary, sweeps))
+    plot = {"mode_switch": plot_curves, "routing": plot_fractions}.get(exp.eval["task"])
+    plot = plot(exp, rows, exp_dir) if plot else plot_bars(exp, summary, exp_dir)
+    logger.info("wrote %s, results.md and %s (%.0f s)", exp_dir / "results.json", plot.name, results["wall_time_s"])
+    return results
+
+
+def results_markdown(exp: Experiment, summary: List[dict], sweeps: List[dict]) -> str:
+    text = (f"# {exp.name}\n\n{exp.claim}\n\n## {exp.metrics[0]}\n\n{pivot_table(summary, exp.metrics[0])}\n\n"
+            f"## All metrics\n\n{markdown_table(summary, exp.metrics)}\n")
+    if sweeps:
+        text += (f"\n## Learning rate: validation loss (seed {exp.validation.seed}, {exp.validation.num_samples} "
+                 f"samples), sweep seeds {exp.sweep_seeds}\n\n{sweep_table(sweeps)}\n")
+    return text
+
+
+def evaluate(exp: Experiment, model, run: TrainConfig, out: Path) -> dict:
+    """The experiment's eval task on one trained model; mode_switch writes its CSV to ``out``."""
+    task, kwargs = exp.eval["task"], eval_arguments(exp)
+    if task == "mode_switch":
+        kwargs["out"] = out
+    if task in ("mqar", "niah"):
+        kwargs["task"] = task
+    return EVALS[task](model, run, **kwargs)

@@ -1,0 +1,189 @@
+"""The one-time check of a CUDA kernel against its torch op before ``get_kernels`` chooses it, and the
+verdicts a GPU session recorded instead (``$ORYX_KERNEL_PROBES``).
+
+A kernel is called as the layers call it (activations bf16; gates, decays, A, D and recurrent states
+fp32) on valid values (L2-normalised GDN keys, log decays <= 0, beta in (0, 1), dt > 0, A < 0) and
+compared with the torch op in fp64 on the same values: outputs, states and, for the sequence ops, the
+gradients of a random projection of them w.r.t. every input. This is the runtime's own check; the GPU
+check (``oryx_megatron.checks``) runs the same comparison at its sizes and cases.
+"""
+
+import functools
+import json
+import math
+import os
+import zlib
+from pathlib import Path
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .attention import BlockReads
+from .cuda import FLEX_BLOCK_SIZE
+
+ACT, GATE = torch.bfloat16, torch.float32  # activations bf16; gates and recurrent states fp32, as the layers pass them
+CONV_WIDTH = 4
+SEQUENCE_OPS = ("causal_conv1d", "chunk_gated_delta_rule", "ssd_chunk_scan", "causal_attention",
+                "block_sparse_causal_attention", "gated_rms_norm")  # with a backward; the step ops have none
+OUTPUT_NAMES = {
+    "causal_conv1d": ("y", "final_state"),
+    "causal_conv1d_step": ("y", "new_state"),
+    "chunk_gated_delta_rule": ("o", "final_state"),
+    "gated_delta_rule_step": ("o", "new_state"),
+    "ssd_chunk_scan": ("y", "final_state"),
+    "ssd_step": ("y", "new_state"),
+    "causal_attention": ("o",),
+    "block_sparse_causal_attention": ("o",),
+    "gated_rms_norm": ("o",),
+}
+PROBE_SHAPE = (1, 256, 2, 64)  # b, s, h, d: two blocks of FlexAttention, four chunks of the scans
+PROBE_TOLERANCE = 5e-2  # relative to the largest reference value; bf16 kernels measured 0.2-0.7% (docs/gpu.md)
+PROBES_ENV_VAR = "ORYX_KERNEL_PROBES"  # a JSON file of verdicts: {"verdicts": {op: {"forward": .., "backward": ..}}}
+
+Values = Dict[str, object]  # argument name -> (fp64 tensor, the dtype the kernel gets), or a plain value
+
+
+def kernel_inputs(op: str, shape: Tuple[int, int, int, int], with_state: bool, gen: torch.Generator) -> Values:
+    """Keyword arguments of one call of ``op`` at ``shape`` (b, s, h, d): name -> (fp64 values, the dtype
+    the kernel gets). Step ops take one token (no sequence axis) and always a state; the query blocks of
+    block_sparse_causal_attention (FLEX_BLOCK_SIZE) read attention every other block."""
+    b, s, h, d = shape
+    step = op not in SEQUENCE_OPS
+    seq = () if step else (s,)
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen, dtype=torch.float64)
+
+    if op.startswith("causal_conv1d"):
+        c = h * d
+        args = {"x": (rand(b, *seq, c), ACT), "weight": (rand(c, CONV_WIDTH) / 2, ACT), "bias": (rand(c), ACT)}
+        state = (rand(b, c, CONV_WIDTH - 1), ACT)  # [b, c, w - 1], the previous inputs
+    elif op in ("chunk_gated_delta_rule", "gated_delta_rule_step"):
+        args = {name: (F.normalize(rand(b, *seq, h, d), dim=-1), ACT) for name in ("q", "k")}  # [b, (s,) h, d_k]
+        args.update(v=(rand(b, *seq, h, d), ACT),  # [b, (s,) h, d_v]
+                    g=(F.logsigmoid(rand(b, *seq, h)), GATE), beta=(rand(b, *seq, h).sigmoid(), GATE))  # [b, (s,) h]
+        state = (rand(b, h, d, d), GATE)  # [b, h, d_k, d_v]
+    elif op in ("ssd_chunk_scan", "ssd_step"):
+        args = {"x": (rand(b, *seq, h, d), ACT),  # [b, (s,) h, p]
+                "dt": (F.softplus(rand(b, *seq, h) - 2), GATE),  # [b, (s,) h], > 0
+                "A": (-(rand(h) / 2).exp(), GATE),  # [h], < 0
+                "B": (rand(b, *seq, h, d), ACT), "C": (rand(b, *seq, h, d), ACT),  # [b, (s,) h, n]
+                "D": (rand(h), GATE)}  # [h], a parameter the model keeps in fp32
+        state = (rand(b, h, d, d) / 4, GATE)  # [b, h, n, p]
+    elif op == "gated_rms_norm":
+        return {"y": (rand(b, s, h, d), ACT), "gate": (rand(b, s, h, d), ACT),  # [b, s, h, d_v]
+                "weight": (1 + rand(h * d) / 10, ACT)}  # [h * d_v], a parameter of the model
+    else:  # causal_attention, block_sparse_causal_attention
+        args = {name: (rand(b, s, h, d), ACT) for name in ("q", "k", "v")}  # [b, s, h, d]
+        if op == "block_sparse_causal_attention":
+            read = (torch.arange(s) // FLEX_BLOCK_SIZE % 2 == 0).expand(b, s).clone()  # [b, s]
+            args.update(reads=BlockReads(read, FLEX_BLOCK_SIZE))
+        return args
+    if with_state or step:
+        args["state" if step else "initial_state"] = state
+    return args
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max |ref| in fp64 (the absolute error when ref is all zeros)."""
+    diff = (x.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    return diff / scale if scale else diff
+
+
+class KernelCall:
+    """One op on one set of values, through ``kernel`` (in the values' dtypes) and ``reference`` (the
+    torch op, in fp64), run on first use so that a failure lands with the caller that asked."""
+
+    def __init__(self, op: str, values: Values, device, kernel: Callable, reference: Callable):
+        self.op, self.values, self.device, self.kernel, self.reference = op, values, device, kernel, reference
+        self._run = None  # (inputs, ref_inputs, outputs, ref_outputs)
+
+    def run(self):
+        if self._run is None:
+            grad = self.op in SEQUENCE_OPS
+            inputs = {n: _on(value, self.device, grad) for n, value in self.values.items()}
+            ref_inputs = {n: _on((t, torch.float64), self.device, grad) if _differentiable(t) else t
+                          for n, t in inputs.items()}  # same values
+            got, want = self.kernel(**inputs), self.reference(**ref_inputs)
+            self._run = (inputs, ref_inputs, *(t if isinstance(t, tuple) else (t,) for t in (got, want)))
+        return self._run
+
+    def forward_errors(self) -> Dict[str, float]:
+        _, _, got, want = self.run()
+        return {name: rel_err(x, ref) for name, x, ref in zip(OUTPUT_NAMES[self.op], got, want)}
+
+    def backward_errors(self) -> Dict[str, float]:
+        """Gradients of sum(w * output) over outputs and states, w random, w.r.t. every input."""
+        inputs, ref_inputs, got, want = self.run()
+        gen = torch.Generator().manual_seed(1)
+        weights = [torch.randn(ref.shape, generator=gen, dtype=torch.float64).to(ref.device) for ref in want]
+        grads, ref_grads = _grads(got, weights, inputs), _grads(want, weights, ref_inputs)
+        return {f"d{name}": rel_err(grads[name], ref) if grads[name] is not None else math.inf
+                for name, ref in ref_grads.items()}
+
+
+def _differentiable(x) -> bool:
+    return torch.is_tensor(x) and x.is_floating_point()
+
+
+def _on(value, device, grad: bool):
+    """A kernel argument: (fp64 values, dtype) -> a tensor on ``device`` (a leaf requiring grad when
+    ``grad`` and floating); the block-sparse read pattern on ``device``."""
+    if isinstance(value, BlockReads):
+        return BlockReads(value.read.to(device), value.block_size)
+    tensor, dtype = value
+    tensor = tensor.detach().to(device, dtype)
+    return tensor.requires_grad_(grad) if tensor.is_floating_point() else tensor
+
+
+def _grads(outputs, weights, leaves: Dict[str, torch.Tensor]) -> Dict[str, Optional[torch.Tensor]]:
+    leaves = {name: t for name, t in leaves.items() if _differentiable(t)}
+    loss = sum((t.double() * w).sum() for t, w in zip(outputs, weights))
+    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)))
+
+
+def probe_errors(op: str, kernel: Callable, reference: Callable, device, backward: bool) -> Dict[str, float]:
+    """Relative errors of ``kernel`` against ``reference`` at PROBE_SHAPE with an initial state: every
+    output and state, and (``backward``, for the sequence ops) every input gradient."""
+    gen = torch.Generator().manual_seed(zlib.crc32(op.encode()))
+    call = KernelCall(op, kernel_inputs(op, PROBE_SHAPE, True, gen), device, kernel, reference)
+    errors = call.forward_errors()
+    if backward and op in SEQUENCE_OPS:
+        errors.update(call.backward_errors())
+    return errors
+
+
+@functools.lru_cache(maxsize=None)
+def probe(op: str, kernel: Callable, reference: Callable, device="cuda", backward: bool = True) -> Optional[str]:
+    """None when ``kernel`` agrees with the torch op within PROBE_TOLERANCE (forward and, ``backward``,
+    backward), else why not (an exception counts). Where a GPU session recorded a verdict for ``op``
+    (``$ORYX_KERNEL_PROBES``), that verdict, without running anything: a kernel that crashed its
+    session's probe is not run again."""
+    recorded = recorded_verdicts().get(op)
+    if recorded is not None:
+        return recorded["backward" if backward else "forward"]
+    try:
+        errors = probe_errors(op, kernel, reference, device, backward)
+    except Exception as e:  # a kernel that refuses, or fails to compile
+        return f"its one-time check raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    bad = {name: err for name, err in errors.items() if not err <= PROBE_TOLERANCE}
+    if bad:
+        worst = max(bad, key=bad.get)
+        return (f"its one-time check differs from the torch op: {worst} relative error {bad[worst]:.3g} "
+                f"> {PROBE_TOLERANCE}")
+    return None
+
+
+def recorded_verdicts() -> Dict[str, Dict[str, Optional[str]]]:
+    """op -> {"forward": reason or None, "backward": reason or None} from the file ``$ORYX_KERNEL_PROBES``
+    names ({} when unset). A file that cannot be read is an error, never a reason to probe again."""
+    path = os.environ.get(PROBES_ENV_VAR)
+    if not path:
+        return {}
+    try:
+        return json.loads(Path(path).read_text())["verdicts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"${PROBES_ENV_VAR}={path}: not a file of kernel probe verdicts "
+                         f"({type(e).__name__}: {e})") from None
