@@ -59,6 +59,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
+    context_parallel_size: int = 1  # ranks that split every sequence (head all-to-all; docs/training.md)
     overlap_grad_reduce: bool = False
     distributed_timeout_minutes: float = 10.0  # a collective waiting longer (a dead or hung rank) fails the run
 
@@ -179,11 +180,13 @@ def _check_values(run: TrainConfig) -> None:
         "data.seq_length": run.data.seq_length,
         "parallel.tensor_model_parallel_size": p.tensor_model_parallel_size,
         "parallel.pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "parallel.context_parallel_size": p.context_parallel_size,
         "optimizer.lr": run.optimizer.lr,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key '{key}': {value} must be positive")
+    _check_context_parallel(run)
     vp = p.virtual_pipeline_model_parallel_size  # interleaved pipeline: vp model chunks per pipeline stage
     if vp is not None:
         key = "config key 'parallel.virtual_pipeline_model_parallel_size'"
@@ -264,3 +267,20 @@ def _check_router(run: TrainConfig) -> None:
     if r.temperature <= 0 or r.calibration_batches < 1:
         raise ConfigError(f"config keys 'router.temperature' / 'router.calibration_batches': {r.temperature}, "
                           f"{r.calibration_batches} must be positive")
+
+
+def _check_context_parallel(run: TrainConfig) -> None:
+    """Context parallelism splits every sequence into 2 x CP chunks and each layer's heads over TP x CP ranks."""
+    p, cp = run.parallel, run.parallel.context_parallel_size
+    if cp == 1:
+        return
+    key = "config key 'parallel.context_parallel_size'"
+    if run.data.seq_length % (2 * cp):
+        raise ConfigError(f"{key}: data.seq_length={run.data.seq_length} must divide by 2 x {cp} (megatron's "
+                          "load-balanced split of every sequence into 2 x CP chunks)")
+    if run.model.num_attention_heads % (p.tensor_model_parallel_size * cp):
+        raise ConfigError(f"{key}: model.num_attention_heads={run.model.num_attention_heads} must divide by tensor "
+                          f"x context parallel size {p.tensor_model_parallel_size} x {cp} (each rank mixes whole "
+                          "heads of the whole sequence)")
+    if run.router.mode == "posthoc":
+        raise ConfigError(f"{key}: {cp}: posthoc router training runs in one process (the router is small)")

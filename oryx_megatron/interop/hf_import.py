@@ -95,7 +95,7 @@ def import_run(config, args: ModelArgs, checkpoint_dir: Path, tp: int, overrides
     stored = dict(getattr(config, "oryx", {}).get("run", {}))
     tree = OmegaConf.merge(
         OmegaConf.create(stored),
-        {"model": asdict(args), "parallel": {"tensor_model_parallel_size": tp},
+        {"model": asdict(args), "parallel": {"tensor_model_parallel_size": tp, "context_parallel_size": 1},
          "checkpoint": {"dir": str(checkpoint_dir)}},
         OmegaConf.from_dotlist(list(overrides)),
     )

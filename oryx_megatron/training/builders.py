@@ -30,6 +30,7 @@ def model_config(run: TrainConfig):
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
+        context_parallel_size=p.context_parallel_size,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=t.bf16,

@@ -39,15 +39,17 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": OPTIMIZER_FORMAT}
 
 
 def _layout() -> List[int]:
+    """[PP, TP, DP] sizes, and CP's when above 1 (the layouts of checkpoints written before it compare equal)."""
+    cp = parallel_state.get_context_parallel_world_size()
     return [
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_data_parallel_world_size(),
-    ]
+    ] + ([cp] if cp > 1 else [])
 
 
 def _rng_state() -> ShardedObject:
-    """This rank's RNG states, one shard per (pp, tp, dp) coordinate."""
+    """This rank's RNG states, one shard per (pp, tp, dp[, cp]) coordinate."""
     state = {
         "cpu": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -57,7 +59,7 @@ def _rng_state() -> ShardedObject:
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(),
-    ]
+    ] + ([parallel_state.get_context_parallel_rank()] if parallel_state.get_context_parallel_world_size() > 1 else [])
     return ShardedObject("rng_state", state, tuple(_layout()), tuple(coordinates), replica_id=0)
 
 

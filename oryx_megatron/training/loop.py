@@ -53,7 +53,7 @@ def pretrain(run: TrainConfig, output_dir: str) -> int:
     until preempted (saves, returns REQUEUE_EXIT_CODE)."""
     p = run.parallel
     initialize_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, run.train.seed,
-                        p.virtual_pipeline_model_parallel_size, p.distributed_timeout_minutes)
+                        p.virtual_pipeline_model_parallel_size, p.distributed_timeout_minutes, p.context_parallel_size)
     if run.router.mode == "posthoc":  # the router of a trained model, the rest frozen (training/router.py)
         with cuda_to_cpu(), RouterTrainer(run, output_dir) as trainer:
             trainer.train()

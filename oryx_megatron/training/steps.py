@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from oryx_megatron.config import Mode
 from oryx_megatron.parallel import current_device
@@ -45,10 +46,19 @@ def get_batch(data_iterator, device: torch.device) -> Dict[str, torch.Tensor]:
     return {key: (t.pin_memory() if pin else t).to(device, non_blocking=pin) for key, t in batch.items()}
 
 
+def this_rank_tokens(**tensors: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Each [b, s] tensor's tokens of this context-parallel rank: megatron's load-balanced split
+    (``get_batch_on_this_cp_rank``: sequence chunks r and 2cp - 1 - r of 2cp); all of them without context
+    parallelism. The modes and document ids the model reads stay whole (every rank mixes the whole sequence)."""
+    return get_batch_on_this_cp_rank(dict(tensors))
+
+
 def _forward_step(data_iterator, model):
     batch = get_batch(data_iterator, current_device())
-    output = model(batch["tokens"], batch["modes"], labels=batch["labels"], document_ids=batch.get("document_ids"))
-    return output, partial(_loss, batch["loss_mask"], batch["modes"])
+    local = this_rank_tokens(tokens=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
+                             modes=batch["modes"])
+    output = model(local["tokens"], batch["modes"], labels=local["labels"], document_ids=batch.get("document_ids"))
+    return output, partial(_loss, local["loss_mask"], local["modes"])
 
 
 def _routed_forward_step(chunk_size: int, data_iterator, model):
@@ -57,14 +67,17 @@ def _routed_forward_step(chunk_size: int, data_iterator, model):
     through attention read minus linear read, straight-through), and the loss adds the price of
     attention: price x each reading token's attention FLOPs (its position + 1, relative to the mean)."""
     batch = get_batch(data_iterator, current_device())
-    tokens, docs = batch["tokens"], batch.get("document_ids")
-    s = tokens.shape[1]
+    docs, s = batch.get("document_ids"), batch["tokens"].shape[1]
+    flops = torch.arange(1, s + 1, device=batch["tokens"].device, dtype=torch.float32) / ((s + 1) / 2)  # mean 1
+    local = this_rank_tokens(tokens=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
+                             flops=flops.expand_as(batch["tokens"]))
     router = model.module.router
-    p = torch.sigmoid(model.module.route(tokens, chunk_size, docs).float())  # [b, n]
+    p = torch.sigmoid(model.module.route(local["tokens"], chunk_size, docs).float())  # [b, n]: every chunk's
     weights = (torch.bernoulli(p.detach()) + p - p.detach()).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]
-    flops = torch.arange(1, s + 1, device=tokens.device, dtype=torch.float32) / ((s + 1) / 2)  # [s], mean 1
-    output = model(tokens, labels=batch["labels"], document_ids=docs, router_weights=weights)
-    return output, partial(_loss, batch["loss_mask"], weights, attention_cost=router.price.float() * weights * flops)
+    output = model(local["tokens"], labels=local["labels"], document_ids=docs, router_weights=weights)
+    local_weights = this_rank_tokens(weights=weights)["weights"]
+    return output, partial(_loss, local["loss_mask"], local_weights,
+                           attention_cost=router.price.float() * local_weights * local["flops"])
 
 
 def _loss(loss_mask, modes, per_token_loss, attention_cost=None):
@@ -145,11 +158,12 @@ def clip_grads(optimizer, grad_norm: float) -> None:
 
 def sum_losses(reports: List[dict]) -> torch.Tensor:
     """[loss sum, tokens, attention-mode loss sum, attention-mode tokens] of the global batch
-    (micro-batches summed, all-reduced over data-parallel ranks); zeros off the last stage."""
+    (micro-batches summed, all-reduced over data-parallel and context-parallel ranks); zeros off the last
+    stage."""
     sums = torch.zeros(4, dtype=torch.float64, device=current_device())
     if reports:
         sums = torch.stack([r["loss_sums"] for r in reports]).sum(0).double()
-        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     return sums
 
 

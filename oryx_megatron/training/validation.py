@@ -49,11 +49,12 @@ def _launch_world_size() -> int:
 
 def _check_batches(run: TrainConfig, world_size: int) -> None:
     t, p = run.train, run.parallel
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     if world_size % model_parallel:
         raise ConfigError(
-            f"config keys 'parallel.*': {world_size} processes are not a multiple of tensor x pipeline "
-            f"parallel size {p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size}"
+            f"config keys 'parallel.*': {world_size} processes are not a multiple of tensor x pipeline x context "
+            f"parallel size {p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "
+            f"{p.context_parallel_size}"
         )
     dp = world_size // model_parallel
     if t.global_batch_size % (t.micro_batch_size * dp):
