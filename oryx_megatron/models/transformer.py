@@ -23,7 +23,7 @@ from torch import Tensor
 
 from oryx_megatron.compat.megatron import last_token_logits_only, static_inference_context
 from oryx_megatron.layers.gpt_attention import CausalSDPAttention
-from oryx_megatron.layers.multi_mixer import KV_BLOCK
+from oryx_megatron.mixer.state import kv_capacity
 
 
 @dataclass
@@ -41,7 +41,7 @@ class TransformerCache:
     device tensor; ``document_start`` [b]: where each sequence's current document starts."""
 
     def __init__(self, model: GPTModel, batch_size: int, dtype: torch.dtype, device, capacity: Optional[int]):
-        capacity = -(-(capacity or KV_BLOCK) // KV_BLOCK) * KV_BLOCK
+        capacity = kv_capacity(capacity)
         self.context = static_inference_context(batch_size, capacity)
         for layer in model.decoder.layers:  # preallocated, so that nbytes and reserve see them before any forward
             attention = layer.self_attention
@@ -62,10 +62,11 @@ class TransformerCache:
         return self.context.max_sequence_length
 
     def reserve(self, n_tokens: int) -> bool:
-        """Room for ``n_tokens`` in all (grown by KV_BLOCK positions); True when the buffers were reallocated."""
+        """Room for ``n_tokens`` in all (grown in whole KV blocks, ``kv_capacity``); True when the buffers were
+        reallocated."""
         if n_tokens <= self.capacity:
             return False
-        capacity = -(-n_tokens // KV_BLOCK) * KV_BLOCK
+        capacity = kv_capacity(n_tokens)
         buffers = self.context.key_value_memory_dict
         for layer_number, pair in buffers.items():
             grown = []
@@ -171,7 +172,7 @@ class TransformerBaseline(GPTModel):
     def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                                  capacity: Optional[int] = None, kv_cache: bool = True) -> List[TransformerCache]:
         """One cache for every layer (megatron's static inference context), of ``capacity`` positions (default
-        KV_BLOCK; grown when exceeded). Refused: ``kv_cache=False`` (attention needs its keys and values) and
+        one KV block; grown when exceeded). Refused: ``kv_cache=False`` (attention needs its keys and values) and
         tensor parallelism (megatron's inference path returns gathered logits; checkpoints load at TP=1)."""
         if not kv_cache:
             raise ValueError("the Transformer baseline reads attention only and needs its KV cache "
