@@ -53,7 +53,7 @@ def test_a_context_parallel_run_resumes_exactly_and_at_another_layout(corpus, tm
 
 
 @pytest.mark.parametrize("override,message", [
-    ("data.seq_length=60", r"parallel.context_parallel_size': data.seq_length=60 must divide by 2 x 2"),
+    ("data.seq_length=62", r"parallel.context_parallel_size': data.seq_length=62 must divide by 2 x 2"),
     ("model.num_attention_heads=3", r"num_attention_heads=3 must divide by tensor x context parallel size 1 x 2"),
 ])
 def test_context_parallel_layouts_that_do_not_fit_are_one_line(corpus, tmp_path, override, message):
