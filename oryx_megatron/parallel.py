@@ -7,12 +7,13 @@ and a new layout destroys the old groups first (a gloo group holds its threads u
 
 import os
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from oryx_megatron.compat.cpu import apply_cpu_compat
 from oryx_megatron.launch import distributed_env_from_slurm
@@ -97,3 +98,23 @@ def _destroy_model_parallel() -> None:
         for group in list(dist.distributed_c10d._world.pg_map):
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
+
+
+def this_rank_tokens(**tensors: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Each [b, s] tensor's tokens of this context-parallel rank: megatron's load-balanced split
+    (``get_batch_on_this_cp_rank``: sequence chunks r and 2cp - 1 - r of 2cp); all of them without context
+    parallelism. What the model reads whole (modes, document ids) is not split."""
+    return get_batch_on_this_cp_rank(dict(tensors))
+
+
+def whole_sequences(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``this_rank_tokens``: [b, s / cp] of every context-parallel rank -> [b, s] in order."""
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(cp)]
+    dist.all_gather(parts, t.contiguous(), group=parallel_state.get_context_parallel_group())
+    chunks = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        chunks[rank], chunks[2 * cp - 1 - rank] = part.chunk(2, dim=1)
+    return torch.cat(chunks, dim=1)

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from oryx_megatron.compat.cpu import cuda_to_cpu
 from oryx_megatron.config import Mode
 from oryx_megatron.data.loader import parse_blend
 from oryx_megatron.data.modes import (
@@ -26,6 +27,7 @@ from oryx_megatron.data.modes import (
 from oryx_megatron.data.shards import Manifest
 from oryx_megatron.inference.routing import route_modes
 from oryx_megatron.inference.schedules import RouterSchedule
+from oryx_megatron.parallel import this_rank_tokens, whole_sequences
 from oryx_megatron.run_config import TrainConfig
 from oryx_megatron.training.builders import build_loader
 
@@ -84,13 +86,17 @@ def heldout_batches(run: TrainConfig, num_batches: int, batch_size: int,
 @torch.no_grad()
 def token_losses(model, batches: List[Dict[str, Tensor]]) -> Tensor:
     """Per-token loss [n, s] fp32 of every window, each token reading with its batch's mode (and, for a
-    run trained with data.reset_at_eod, within its document)."""
+    run trained with data.reset_at_eod, within its document); under context parallelism every sequence split
+    over the ranks, the losses gathered."""
     device = next(model.parameters()).device
     losses = []
     for b in batches:
         docs = b.get("document_ids")
-        losses.append(model(b["tokens"].to(device), b["modes"].to(device), labels=b["labels"].to(device),
-                            document_ids=None if docs is None else docs.to(device)).float().cpu())
+        local = this_rank_tokens(tokens=b["tokens"].to(device), labels=b["labels"].to(device))  # context parallel
+        with cuda_to_cpu():  # megatron's context-parallel rotary asks for pinned memory (a no-op on CUDA)
+            loss = model(local["tokens"], b["modes"].to(device), labels=local["labels"],
+                         document_ids=None if docs is None else docs.to(device))
+        losses.append(whole_sequences(loss.float()).cpu())
     return torch.cat(losses)
 
 

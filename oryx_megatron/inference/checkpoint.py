@@ -44,14 +44,18 @@ def migrate_run_config(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, TrainConfig]:
-    """The model of a checkpoint at TP = PP = 1 in eval mode, and the run's config."""
+def load_model(path: str, dtype: torch.dtype = torch.float32,
+               context_parallel_size: int = 1) -> Tuple[torch.nn.Module, TrainConfig]:
+    """The model of a checkpoint at TP = PP = 1 in eval mode, and the run's config. ``context_parallel_size``
+    (a launch of that many processes): every sequence of a forward split over them, for contexts one process
+    does not hold (``eval.ppl``); decoding with caches runs in one process."""
     ckpt = resolve_checkpoint(path)
     schema = OmegaConf.structured(TrainConfig)
     run: TrainConfig = OmegaConf.to_object(OmegaConf.merge(schema, migrate_run_config(OmegaConf.load(ckpt / RUN_CONFIG))))
-    initialize_parallel(seed=run.train.seed)
+    initialize_parallel(seed=run.train.seed, context_parallel_size=context_parallel_size)
     args: ModelArgs = run.model
-    model = build_model(args, transformer_config(args, params_dtype=dtype, perform_initialization=False))
+    model = build_model(args, transformer_config(args, params_dtype=dtype, perform_initialization=False,
+                                                 context_parallel_size=context_parallel_size))
     state = load_sharded({"model": model.sharded_state_dict()}, ckpt)
     model.load_state_dict(state["model"])
     return model.eval(), run  # built in dtype (the SSM scalars in fp32): no cast

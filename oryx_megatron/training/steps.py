@@ -14,10 +14,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_batch_on_this_cp_rank
 
 from oryx_megatron.config import Mode
-from oryx_megatron.parallel import current_device
+from oryx_megatron.parallel import current_device, this_rank_tokens
 from oryx_megatron.run_config import TrainConfig
 
 logger = logging.getLogger("oryx_megatron.train")
@@ -44,13 +43,6 @@ def get_batch(data_iterator, device: torch.device) -> Dict[str, torch.Tensor]:
     batch = next(data_iterator)
     pin = device.type == "cuda"
     return {key: (t.pin_memory() if pin else t).to(device, non_blocking=pin) for key, t in batch.items()}
-
-
-def this_rank_tokens(**tensors: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Each [b, s] tensor's tokens of this context-parallel rank: megatron's load-balanced split
-    (``get_batch_on_this_cp_rank``: sequence chunks r and 2cp - 1 - r of 2cp); all of them without context
-    parallelism. The modes and document ids the model reads stay whole (every rank mixes the whole sequence)."""
-    return get_batch_on_this_cp_rank(dict(tensors))
 
 
 def _forward_step(data_iterator, model):
