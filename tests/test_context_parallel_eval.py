@@ -44,3 +44,34 @@ def test_perplexity_at_cp2_equals_one_process(single_process_parallel, tmp_path,
     for name, row in want.items():
         assert abs(got[name]["loss"] - row["loss"]) < 1e-5, name
         assert got[name]["attention_fraction"] == row["attention_fraction"]
+
+
+def test_oryx_eval_under_torchrun_with_context_parallel(single_process_parallel, tmp_path):
+    """``torchrun --nproc-per-node 2 -m oryx_megatron.cli.evaluate CKPT --task mqar --context-parallel 2`` writes the
+    accuracies one process writes; a mismatched process count or --router is one line."""
+    import subprocess
+    import sys
+
+    with initialize_config_dir(str(RECIPES_DIR), version_base=None):
+        run = load_train_config(compose("train", overrides=[
+            *TINY_MODEL, "model.family=oryx_tg", "data=mqar", "data.seq_length=64", "data.mqar_num_pairs=4",
+            "data.mode_schedule.chunk_size=16", f"checkpoint.dir={tmp_path / 'ckpt'}"]))
+    torch.manual_seed(1)
+    ckpt = str(save_model(run, build_model(run.model, transformer_config(run.model)), iteration=1))
+    task = [ckpt, "--task", "mqar", "--num-samples", "8", "--batch-size", "4"]
+
+    def oryx_eval(*args, processes=1):
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 \
+            else []
+        return subprocess.run([sys.executable, *launch, "-m", "oryx_megatron.cli.evaluate", *args],
+                              capture_output=True, text=True, timeout=600)
+
+    one = oryx_eval(*task, "--out", str(tmp_path / "one"))
+    two = oryx_eval(*task, "--out", str(tmp_path / "two"), "--context-parallel", "2", processes=2)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    rows = [json.loads((tmp_path / d / "mqar.json").read_text())["rows"] for d in ("one", "two")]
+    assert rows[0] == rows[1] and len(rows[0]) == 3
+    bad = oryx_eval(*task, "--context-parallel", "2")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        "oryx-eval: error: argument --context-parallel: 2 must be >= 1 and the number of processes launched "
+        "(1: torchrun --nproc-per-node 2)")

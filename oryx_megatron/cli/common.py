@@ -31,7 +31,7 @@ def load_checkpoint(args: argparse.Namespace):
     if not Path(args.checkpoint).is_dir():
         raise InputError(f"checkpoint {args.checkpoint}: no such directory")
     try:
-        return load_for_inference(args.checkpoint, args.device, args.dtype)
+        return load_for_inference(args.checkpoint, args.device, args.dtype, getattr(args, "context_parallel", 1))
     except FileNotFoundError as e:  # no checkpoint there, or a damaged one (CheckpointError names the file)
         raise InputError(f"checkpoint {e}") from e
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # a corrupt or foreign checkpoint

@@ -4,12 +4,16 @@
     oryx-eval runs/ckpt --task mode_switch  # per-position loss around a mixer switch (+ CSV, PNG)
     oryx-eval runs/ckpt --task mqar         # retrieval accuracy: attention / linear / mixed
     oryx-eval runs/ckpt --task niah
+    torchrun --nproc-per-node 4 -m oryx_megatron.cli.evaluate runs/ckpt --task niah --context-parallel 4
 
-Each task prints a table and writes <out>/<task>.json (see docs/inference.md).
+Each task prints a table and writes <out>/<task>.json (see docs/inference.md). Every task is parallel forwards
+(teacher-forced): ``--context-parallel N`` splits every sequence over N processes (long contexts; docs/training.md,
+"Context parallelism").
 """
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -43,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router", metavar="SPEC", help="also evaluate the model's router: 'budget=0.1' or "
                                                          "'threshold=0.5' (a row, or a curve of mode_switch)")
     parser.add_argument("--out", default="eval", help="output directory (default ./eval)")
+    parser.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                        help="split every sequence over N processes (launch N with torchrun)")
     parser.add_argument("--wandb", choices=("disabled", "offline", "online"), default="disabled",
                         help="also log the result to W&B (project oryx-megatron, job type eval)")
     held_out = parser.add_argument_group("ppl and mode_switch (held-out windows of the checkpoint's dataset)")
@@ -94,7 +100,11 @@ def _main(argv: List[str]) -> int:
             parse_schedule(f"router {args.router}")
         except ValueError as e:
             raise InputError(f"argument --router: {e}") from e
+    _check_context_parallel(args)
     model, run = load_checkpoint(args)
+    if int(os.environ.get("RANK", 0)) != 0:  # context parallel: rank 0 reports
+        run_task(model, run, args, Path(args.out))
+        return 0
     out = Path(args.out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -115,6 +125,15 @@ def _main(argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     return run_command("oryx-eval", _main, argv)
+
+
+def _check_context_parallel(args: argparse.Namespace) -> None:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.context_parallel < 1 or args.context_parallel != world:
+        raise InputError(f"argument --context-parallel: {args.context_parallel} must be >= 1 and the number of "
+                         f"processes launched ({world}: torchrun --nproc-per-node {args.context_parallel})")
+    if args.context_parallel > 1 and args.router:
+        raise InputError("argument --context-parallel: the router's rows (--router) are evaluated in one process")
 
 
 def log_to_wandb(result: dict, args: argparse.Namespace, out: Path) -> None:

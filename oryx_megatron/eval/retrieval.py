@@ -15,13 +15,16 @@ from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
+from torch import Tensor
 
+from oryx_megatron.compat.cpu import cuda_to_cpu
 from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import ModeSchedule, all_attention, all_linear
 from oryx_megatron.data.tasks import mqar, niah
 from oryx_megatron.eval.ppl import dataset_vocab, heldout_batches
 from oryx_megatron.inference.routing import route_modes
 from oryx_megatron.inference.schedules import RouterSchedule
+from oryx_megatron.parallel import this_rank_tokens, whole_sequences
 from oryx_megatron.run_config import TrainConfig
 
 TASKS = ("mqar", "niah")
@@ -46,14 +49,20 @@ def answer_accuracy(model, sample: Dict[str, np.ndarray], schedule: Union[ModeSc
                            for i in range(0, n, batch_size)])
     else:
         modes = schedule.batch(seq_len, range(n))  # int8 [n, L]
-    correct = torch.cat([  # bool [n, L]
-        model(inputs[i : i + batch_size].to(device), modes[i : i + batch_size].to(device))[..., :vocab_size]
-        .argmax(-1).cpu() == labels[i : i + batch_size]
-        for i in range(0, n, batch_size)
-    ])
+    correct = torch.cat([predictions(model, inputs[i : i + batch_size].to(device), modes[i : i + batch_size].to(device),
+                                     vocab_size).cpu() == labels[i : i + batch_size]
+                         for i in range(0, n, batch_size)])  # bool [n, L]
     right = (correct | ~mask).all(1)  # [n]: every answer token right
     return dict(accuracy=float(right.float().mean()), token_accuracy=float(correct[mask].float().mean()),
                 attention_fraction=float((modes == Mode.ATTENTION).float().mean()))
+
+
+def predictions(model, inputs: Tensor, modes: Tensor, vocab_size: int) -> Tensor:
+    """The greedy next token [b, L] at every position (under context parallelism every sequence split over the
+    ranks, the predictions gathered)."""
+    local = this_rank_tokens(tokens=inputs)["tokens"]
+    with cuda_to_cpu():  # megatron's context-parallel rotary asks for pinned memory (a no-op on CUDA)
+        return whole_sequences(model(local, modes)[..., :vocab_size].argmax(-1))
 
 
 def heldout_haystack(run: TrainConfig, tokens: int, eod_id: int) -> np.ndarray:

@@ -23,14 +23,16 @@ def default_dtype(device: str) -> str:
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
-def load_for_inference(checkpoint: str, device: Optional[str] = None, dtype: Optional[str] = None):
+def load_for_inference(checkpoint: str, device: Optional[str] = None, dtype: Optional[str] = None,
+                       context_parallel_size: int = 1):
     """(model on ``device`` (default ``default_device()``) in ``dtype`` (a name of DTYPES, default
-    ``default_dtype``), in eval mode; the run's config)."""
+    ``default_dtype``), in eval mode, its forwards split over ``context_parallel_size`` processes; the run's
+    config)."""
     device = device or default_device()
     dtype = dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
-    model, run = load_model(checkpoint, DTYPES[dtype])
+    model, run = load_model(checkpoint, DTYPES[dtype], context_parallel_size)
     return model.to(device), run
 
 
