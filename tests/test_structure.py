@@ -106,7 +106,7 @@ def test_the_mixer_core_imports_neither_megatron_nor_transformers():
     import sys
 
     code = ("import sys, oryx_megatron.mixer, oryx_megatron.config; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'transformers'}))")
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'transformers', 'omegaconf'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 

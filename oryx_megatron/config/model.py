@@ -4,9 +4,9 @@ every ``MixerConfig`` field (a recipe can set any of them, ``mixers`` included).
 from dataclasses import dataclass
 from typing import Optional
 
-from omegaconf import MISSING
-
 from oryx_megatron.config.mixer import MixerConfig, MixerConfigError
+
+MISSING = "???"  # omegaconf's marker of a mandatory value (omegaconf.MISSING), without importing omegaconf
 
 # The mixers of each family ("oryx": any mixers, given by model.mixers); the Transformer baseline is megatron's
 # GPTModel, whose layers read with attention.
