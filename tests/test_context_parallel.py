@@ -75,6 +75,8 @@ def summed_grads(module):
     parallelism, over the tensor-parallel ranks), as megatron's DDP and finalize_model_grads sum them."""
     grads = {}
     for name, p in module.named_parameters():
+        if p.grad is None:  # not on this loss's path (the layers after the router's first)
+            continue
         g = p.grad.clone()
         dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
         if getattr(p, "sequence_parallel", False):
@@ -128,3 +130,30 @@ def test_tensor_and_context_parallel_equal_one_rank(tmp_path, level, sp):
     """TP=2 x CP=2 (the model with sequence parallelism): 4 processes, one head per rank of the tiny models."""
     run_distributed(cp_equals_cp1, str(tmp_path), level, ["oryx_tg", "oryx_tm", "transformer"], 2, 2, sp,
                     world_size=4)
+
+
+def router_cp_equals_cp1():
+    """The router's logits at CP=2 (readouts of this rank's heads over the whole sequence, gathered) equal one
+    rank's; a loss split over the ranks gives, summed, one rank's parameter gradients."""
+    _, _, _, ids, documents = inputs()
+    results = []
+    for cp in (1, 2):
+        initialize_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+        args = tiny_args("oryx_tg", router_hidden=8)
+        torch.manual_seed(0)
+        model = build_model(args, transformer_config(args, params_dtype=torch.float64, context_parallel_size=cp))
+        with torch.no_grad():
+            model.router.fc2.weight.normal_()  # nonzero logits (the router starts at p = 0.5)
+        logits = model.route(this_rank_tokens(ids[:, :-1], 1), 4, documents)  # [b, S / 4], every chunk's
+        share = torch.arange(logits.shape[1]) % cp == parallel_state.get_context_parallel_rank()  # a rank's chunks
+        (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits) * share).sum().backward()
+        results.append((logits.detach(), summed_grads(model)))
+    (ref, ref_grads), (got, grads) = results
+    assert (got - ref).abs().max() < 1e-10
+    assert grads.keys() == ref_grads.keys() and any("router" in n for n in grads) and any("mixer" in n for n in grads)
+    for name, grad in grads.items():
+        assert (grad - ref_grads[name]).abs().max() < 1e-10, name
+
+
+def test_the_router_at_context_parallel_equals_one_rank():
+    run_distributed(router_cp_equals_cp1)

@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.nn.functional import all_gather, all_to_all_single
 
 
 class ContextParallel:
@@ -52,11 +51,11 @@ class ContextParallel:
         """[b, n, h / cp, ...] of this rank's heads -> [b, n, h, ...]: every rank's, gathered (differentiable)."""
         if self.size == 1:
             return x
-        return torch.cat(all_gather(x.contiguous(), group=self.group), dim=2)
+        return _GatherHeads.apply(x.contiguous(), self.group)
 
     def _all_to_all(self, x: Tensor) -> Tensor:
         """Part i of dim 0 to rank i, part j of the result from rank j (differentiable)."""
-        return all_to_all_single(torch.empty_like(x), x, group=self.group)
+        return _AllToAll.apply(x, self.group)
 
     def _in_order(self, x: Tensor) -> Tensor:
         """[b, s, ...] in the ranks' order (rank r's chunks r and 2cp - 1 - r) -> in sequence order."""
@@ -70,3 +69,40 @@ class ContextParallel:
         order = [c for r in range(self.size) for c in (r, 2 * self.size - 1 - r)]
         return torch.cat([chunks[i] for i in order], dim=1)
 
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` with equal parts along dim 0; its gradient is the same exchange back."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x: Tensor, group) -> Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous like x: the collective reads and writes flat buffers
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _GatherHeads(torch.autograd.Function):
+    """Every rank's [b, n, h / cp, ...] concatenated along dim 2; the gradient of this rank's part sums every
+    rank's gradient of it (each rank's loss reads all the heads)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(group.size())]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.group.size(), dim=2)[ctx.group.rank()], None
