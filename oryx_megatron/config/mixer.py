@@ -137,7 +137,8 @@ class MixerConfig:
         if not 0 < low <= high:
             raise MixerConfigError("A_init_range", f"A_init_range={self.A_init_range}: expected 0 < low <= high")
         if not 0 < self.dt_min <= self.dt_max:
-            raise MixerConfigError("dt_min", f"dt_min={self.dt_min}, dt_max={self.dt_max}: expected 0 < dt_min <= dt_max")
+            raise MixerConfigError("dt_min", f"dt_min={self.dt_min}, dt_max={self.dt_max}: expected "
+                                             "0 < dt_min <= dt_max")
 
     @property
     def mixer_list(self) -> Tuple[str, ...]:

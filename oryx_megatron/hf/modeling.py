@@ -62,7 +62,8 @@ class OryxDecoderLayer(nn.Module):
         self.mlp = OryxMLP(config)
 
     def forward(self, hidden: Tensor, context: MixerContext, cache: Optional[OryxCache], index: int) -> Tensor:
-        hidden = hidden + self.mixer(self.input_layernorm(hidden), context, None if cache is None else cache.layers[index])
+        layer_cache = None if cache is None else cache.layers[index]
+        hidden = hidden + self.mixer(self.input_layernorm(hidden), context, layer_cache)
         return hidden + self.mlp(self.pre_mlp_layernorm(hidden))
 
 

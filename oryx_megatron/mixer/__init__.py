@@ -17,5 +17,5 @@ from oryx_megatron.mixer.oryx_mixer import OryxMixer
 from oryx_megatron.mixer.router import ChunkRouter
 from oryx_megatron.mixer.state import KV_BLOCK, MixerCache, MixerSnapshot
 
-__all__ = ["ChunkRouter", "ContextParallel", "HeadModule", "HeadShard", "KV_BLOCK", "LINEAR_MIXERS", "LinearMixer", "MixerCache",
-           "MixerContext", "MixerLayout", "MixerSnapshot", "OryxMixer", "QUERY_BLOCK", "linear_mixer_class"]
+__all__ = ["ChunkRouter", "ContextParallel", "HeadModule", "HeadShard", "KV_BLOCK", "LINEAR_MIXERS", "LinearMixer",
+           "MixerCache", "MixerContext", "MixerLayout", "MixerSnapshot", "OryxMixer", "QUERY_BLOCK", "linear_mixer_class"]
