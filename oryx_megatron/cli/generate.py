@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="self-speculative decoding of one prompt: linear mode drafts K tokens, attention "
                              "mode verifies them (generated tokens read attention; 0: off)")
+    parser.add_argument("--prefill-chunk", type=int, metavar="N",
+                        help="prefill N prompt tokens at a time (long prompts: one chunk's activations at a time)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="replay one-token decode steps from CUDA graphs (default: on CUDA devices)")
     return parser
@@ -119,6 +121,8 @@ def check_decoding(args: argparse.Namespace, n_prompts: int) -> None:
         raise InputError("--speculative verifies drafts in attention mode and needs the KV cache; drop --no-kv-cache")
     if args.speculative and n_prompts != 1:
         raise InputError(f"--speculative decodes one prompt at a time, got {n_prompts} prompts")
+    if args.prefill_chunk is not None and (args.prefill_chunk < 1 or args.speculative):
+        raise InputError(f"argument --prefill-chunk: {args.prefill_chunk} must be >= 1, without --speculative")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise InputError(f"--cuda-graphs needs --device cuda, got --device {args.device}")
 
@@ -157,7 +161,8 @@ def _main(argv: List[str]) -> int:
     if args.speculative:
         result = speculative_generate(model, encoded, args.schedule, args.max_new_tokens, args.speculative, **common)
     else:
-        result = generate(model, encoded, args.schedule, args.max_new_tokens, kv_cache=args.kv_cache, **common)
+        result = generate(model, encoded, args.schedule, args.max_new_tokens, kv_cache=args.kv_cache,
+                          prefill_chunk=args.prefill_chunk, **common)
     for i, (prompt, tokens, reason) in enumerate(zip(prompts, result.tokens, result.finish_reasons)):
         print(f"=== [{i}] {len(tokens)} tokens, finish: {reason}, schedule: {args.schedule}")
         print(prompt + tokenizer.decode(tokens))

@@ -231,6 +231,8 @@ def generate(
     those of one chunk, the KV cache holding every token (long contexts; the logits do not change). The
     model runs in eval mode, then gets its training flag back.
     """
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     device, dtype = check_model(model)
     limit = vocab_size if vocab_size is not None else model.vocab_size  # the padded vocab
     batch = schedule_prompts(prompts, schedule, max_new_tokens, limit, device)
