@@ -8,6 +8,7 @@ from oryx_megatron.checkpoint.files import (
     METADATA,
     RUN_CONFIG,
     CheckpointError,
+    CheckpointKeysError,
     apply_retention,
     check_retention,
     checkpoints,
@@ -15,6 +16,7 @@ from oryx_megatron.checkpoint.files import (
     iteration_of,
     latest_name,
     load_sharded,
+    sharded_keys,
 )
 from oryx_megatron.checkpoint.verify import (
     latest_checkpoint,
@@ -22,6 +24,6 @@ from oryx_megatron.checkpoint.verify import (
     verify_checkpoint,
 )
 
-__all__ = ["CONFIG", "LATEST", "METADATA", "RUN_CONFIG", "CheckpointError", "apply_retention", "check_retention",
-           "checkpoints", "iteration_dir", "iteration_of", "latest_checkpoint", "latest_name", "load_common",
-           "load_sharded", "verify_checkpoint"]
+__all__ = ["CONFIG", "LATEST", "METADATA", "RUN_CONFIG", "CheckpointError", "CheckpointKeysError", "apply_retention",
+           "check_retention", "checkpoints", "iteration_dir", "iteration_of", "latest_checkpoint", "latest_name",
+           "load_common", "load_sharded", "sharded_keys", "verify_checkpoint"]

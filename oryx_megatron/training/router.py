@@ -192,8 +192,9 @@ def load_frozen_weights(model, init_from: str) -> Path:
             raise FileNotFoundError(f"router.init_from={init_from}: neither a checkpoint nor a checkpoint dir "
                                     "with `latest`")
     checkpoint.verify_checkpoint(path)
-    sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.startswith("router.")}
-    state = checkpoint.load_sharded({"model": sharded}, path)["model"]
+    whole = model.sharded_state_dict()
+    sharded = {k: v for k, v in whole.items() if not k.startswith("router.")}
+    state = checkpoint.load_sharded({"model": sharded}, path, model_keys=checkpoint.sharded_keys(whole))["model"]
     missing, unexpected = model.load_state_dict(state, strict=False)
     router_only = all(k.startswith("router.") for k in missing) and not unexpected
     if not router_only:
