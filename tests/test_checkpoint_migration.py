@@ -35,7 +35,9 @@ def saving_both_spellings(save):
     def save_twice(state, path, *args, **kwargs):
         new = f"{path}_new"
         shutil.copytree(path, new)  # (empty: the run config is written after the save; the test copies it)
-        save(state, new, *args, **kwargs)
+        request = save(state, new, *args, **kwargs)
+        if request is not None:  # the asynchronous form (training.saving): written here
+            request.execute_sync()
         for entry in nested_values(state):
             if isinstance(entry, ShardedBase):
                 entry.key = old_spelling(entry.key)

@@ -205,11 +205,12 @@ def load_frozen_weights(model, init_from: str) -> Path:
 
 def save_model(run: TrainConfig, model, iteration: int) -> Path:
     """The model (router included) as a checkpoint of checkpoint.dir that oryx-generate and
-    oryx-eval read: megatron's files, run_config.yaml, then `latest`."""
+    oryx-eval read: megatron's files, run_config.yaml, the checksums, then `latest`."""
     path = checkpoint.iteration_dir(run.checkpoint.dir, iteration)
     path.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": iteration, "layout": [1, 1, 1]},
                             str(path))
     (path / checkpoint.RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(run)))
+    checkpoint.write_checksums(path)
     (Path(run.checkpoint.dir) / checkpoint.LATEST).write_text(path.name + "\n")
     return path
