@@ -91,6 +91,7 @@ class CheckpointConfig:
     load: bool = True
     keep_last: Optional[int] = None  # after each save, delete all but the N newest (None: keep all)
     keep_every: Optional[int] = None  # with keep_last: also keep every iteration divisible by this
+    async_save: bool = False  # write the shards in the background; `latest` moves once every rank is done
 
 
 @dataclass

@@ -1,18 +1,20 @@
 """Checkpoints written before MultiMixer's keys were renamed (``linear_in``/``linear_out`` ->
 ``in_proj``/``out_proj``; ``A_log``, ``dt_bias``, ``D`` -> ``linear_mixer.*``) still load: for
 inference, with the weights and logits of the same checkpoint in today's spelling, and to resume
-training exactly."""
+training exactly. A checkpoint holding keys the model does not have, that no migration of
+``RENAMED_KEYS`` maps to its own, is refused in one line naming them."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-from oryx_megatron.checkpoint import RUN_CONFIG
+from oryx_megatron.checkpoint import RUN_CONFIG, CheckpointKeysError
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.training.loop import pretrain
 from tests.test_train import losses, run_config
@@ -33,7 +35,9 @@ def saving_both_spellings(save):
     def save_twice(state, path, *args, **kwargs):
         new = f"{path}_new"
         shutil.copytree(path, new)  # (empty: the run config is written after the save; the test copies it)
-        save(state, new, *args, **kwargs)
+        request = save(state, new, *args, **kwargs)
+        if request is not None:  # the asynchronous form (training.saving): written here
+            request.execute_sync()
         for entry in nested_values(state):
             if isinstance(entry, ShardedBase):
                 entry.key = old_spelling(entry.key)
@@ -79,3 +83,29 @@ def test_a_checkpoint_with_the_old_keys_loads_and_resumes_exactly(corpus, tmp_pa
     assert pretrain(run_config(corpus, tmp_path / "split", *split), str(tmp_path / "second_out")) == 0
     resumed = losses(tmp_path / "first_out") + losses(tmp_path / "second_out")
     assert resumed == losses(tmp_path / "straight_out")  # exact, not approximately
+
+
+LEGACY_ROUTER = Path(__file__).parent / "fixtures/legacy_3486e45/oryx_tg/ckpt/iter_0000001"
+OLDER_ROUTER_KEYS = ["router.net.0.weight", "router.net.2.weight"]  # a router of another design
+
+
+def test_a_checkpoint_holding_keys_the_model_does_not_have_is_refused_in_one_line(tmp_path, capsys):
+    """Every key the model has is there, and two more: megatron would ignore them; they are refused."""
+    from oryx_megatron.cli.evaluate import main
+
+    model, _ = load_model(str(LEGACY_ROUTER))
+    state = model.sharded_state_dict()
+    for key in OLDER_ROUTER_KEYS:
+        state[key] = ShardedTensor.from_rank_offsets(key, torch.zeros(4, 4))
+    ckpt = tmp_path / "iter_0000001"
+    ckpt.mkdir()
+    dist_checkpointing.save({"model": state, "iteration": 1, "layout": [1, 1, 1]}, str(ckpt))
+    shutil.copy(LEGACY_ROUTER / RUN_CONFIG, ckpt / RUN_CONFIG)
+    line = f"checkpoint {ckpt} holds keys this model does not have: {', '.join(OLDER_ROUTER_KEYS)} (no migration in "
+    with pytest.raises(CheckpointKeysError) as refused:
+        load_model(str(ckpt))
+    assert str(refused.value).startswith(line) and refused.value.keys == OLDER_ROUTER_KEYS
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(ckpt), "--task", "ppl", "--out", str(tmp_path / "eval")])
+    error_lines = [row for row in capsys.readouterr().err.splitlines() if "error:" in row]
+    assert exit_info.value.code == 2 and len(error_lines) == 1 and f"error: {line}" in error_lines[0], error_lines

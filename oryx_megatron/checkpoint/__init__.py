@@ -2,12 +2,20 @@
 written before a parameter was renamed), and verifying one before megatron reads it. Training writes checkpoints
 (``oryx_megatron.training.checkpointing``); everything that reads them reads them here."""
 
+from oryx_megatron.checkpoint.checksums import (
+    CHECKSUMS,
+    ChecksumMismatch,
+    file_sha256,
+    verify_checksums,
+    write_checksums,
+)
 from oryx_megatron.checkpoint.files import (
     CONFIG,
     LATEST,
     METADATA,
     RUN_CONFIG,
     CheckpointError,
+    CheckpointKeysError,
     apply_retention,
     check_retention,
     checkpoints,
@@ -15,6 +23,7 @@ from oryx_megatron.checkpoint.files import (
     iteration_of,
     latest_name,
     load_sharded,
+    sharded_keys,
 )
 from oryx_megatron.checkpoint.verify import (
     latest_checkpoint,
@@ -22,6 +31,7 @@ from oryx_megatron.checkpoint.verify import (
     verify_checkpoint,
 )
 
-__all__ = ["CONFIG", "LATEST", "METADATA", "RUN_CONFIG", "CheckpointError", "apply_retention", "check_retention",
-           "checkpoints", "iteration_dir", "iteration_of", "latest_checkpoint", "latest_name", "load_common",
-           "load_sharded", "verify_checkpoint"]
+__all__ = ["CHECKSUMS", "CONFIG", "LATEST", "METADATA", "RUN_CONFIG", "CheckpointError", "CheckpointKeysError",
+           "ChecksumMismatch", "apply_retention", "check_retention", "checkpoints", "file_sha256", "iteration_dir",
+           "iteration_of", "latest_checkpoint", "latest_name", "load_common", "load_sharded", "sharded_keys",
+           "verify_checkpoint", "verify_checksums", "write_checksums"]

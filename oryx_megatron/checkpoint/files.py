@@ -15,7 +15,7 @@ import logging
 import re
 import shutil
 from pathlib import Path
-from typing import List, Optional, Set
+from typing import Iterable, List, Optional, Set
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -29,8 +29,12 @@ RUN_CONFIG = "run_config.yaml"
 METADATA = ".metadata"  # torch.distributed.checkpoint's pickled Metadata: which bytes of which shard hold what
 CONFIG = "metadata.json"  # megatron's format marker, written last by dist_checkpointing.save
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+_OPTIMIZER_STATE = re.compile(r"^optimizer\.state\.\w+\.")  # optimizer.state.<exp_avg, ...>.<parameter key>
+_RUN_OBJECTS = ("rng_state", "common_state")  # sharded keys of the run's, not the model's (compat.megatron)
+_KEYS_NAMED = 8  # the unknown keys a CheckpointKeysError names (then: "and N more")
 
-# Sharded keys renamed since checkpoints were written: (new spelling, old spelling), in order.
+# Sharded keys renamed since checkpoints were written: (new spelling, old spelling), in order. THE migration
+# table: a checkpoint key that the model has under neither spelling refuses to load (CheckpointKeysError).
 # Optimizer states are keyed by their parameter's key, so they follow.
 RENAMED_KEYS = (
     (re.compile(r"\bin_proj\."), "linear_in."),  # MultiMixer's fused projections
@@ -53,6 +57,18 @@ class CheckpointError(FileNotFoundError):
     def __init__(self, path, reason: str):
         super().__init__(f"{path} is damaged: {reason}")
         self.path, self.reason = Path(path), reason
+
+
+class CheckpointKeysError(ValueError):
+    """A checkpoint holding keys that the model loading it does not have (a module of another design),
+    and that no migration of RENAMED_KEYS maps to one it has; the message names them."""
+
+    def __init__(self, path, keys: List[str]):
+        more = len(keys) - _KEYS_NAMED
+        named = ", ".join(keys[:_KEYS_NAMED]) + (f" and {more} more" if more > 0 else "")
+        super().__init__(f"checkpoint {path} holds keys this model does not have: {named} (no migration in "
+                         "oryx_megatron/checkpoint/files.py RENAMED_KEYS maps them to its keys)")
+        self.path, self.keys = Path(path), keys
 
 
 def iteration_of(path: Path) -> Optional[int]:
@@ -116,13 +132,35 @@ def old_key(key: str) -> str:
     return key
 
 
-def load_sharded(sharded_state: dict, path: Path) -> dict:
+def model_key(key: str) -> Optional[str]:
+    """The key of the model's parameter (or other state) that a sharded key belongs to: the key itself, or
+    the parameter whose optimizer state it is; None for the run's own objects (RNG states, common state)."""
+    if key in _RUN_OBJECTS:
+        return None
+    return _OPTIMIZER_STATE.sub("", key)
+
+
+def sharded_keys(sharded_state: dict) -> Set[str]:
+    """The keys of the sharded tensors and objects in a (nested) sharded state dict."""
+    return {entry.key for entry in nested_values(sharded_state) if isinstance(entry, ShardedBase)}
+
+
+def load_sharded(sharded_state: dict, path: Path, model_keys: Optional[Iterable[str]] = None) -> dict:
     """``dist_checkpointing.load``, also of a checkpoint written before a key was renamed: an
     entry the checkpoint lacks is read from its old spelling. The loaded state keeps the
-    current names (it is keyed like ``sharded_state``)."""
+    current names (it is keyed like ``sharded_state``). A checkpoint holding a key of a model
+    state that the model does not have, under either spelling, is refused (CheckpointKeysError
+    naming the keys): ``model_keys``, the keys of everything the model has (default: what
+    ``sharded_state`` asks for; more when it asks for part of the model)."""
     saved = {entry.key for entry in load_sharded_metadata(str(path)).values()}
-    for entry in nested_values(sharded_state):
-        if isinstance(entry, ShardedBase) and entry.key not in saved and old_key(entry.key) in saved:
+    requested = [entry for entry in nested_values(sharded_state) if isinstance(entry, ShardedBase)]
+    known = {model_key(key) for key in (model_keys if model_keys is not None else sharded_keys(sharded_state))}
+    known |= {old_key(key) for key in known if key is not None}
+    unknown = sorted({model_key(key) for key in saved} - known - {None})
+    if unknown:
+        raise CheckpointKeysError(path, unknown)
+    for entry in requested:
+        if entry.key not in saved and old_key(entry.key) in saved:
             entry.key = old_key(entry.key)
     return dist_checkpointing.load(sharded_state, str(path))
 

@@ -1,12 +1,12 @@
 """Every checkpoint is verified before megatron reads it (``verify_checkpoint``): each file is present, no shard is
-shorter than ``.metadata`` says, and every pickle in it loads with restricted unpicklers (``.metadata``: only
+shorter than ``.metadata`` says, every pickle in it loads with restricted unpicklers (``.metadata``: only
 torch.distributed.checkpoint's metadata classes; the common state (``common.pt``, or from megatron-core 0.19 the
 ``common_state`` object in the shards: ``oryx_megatron.compat.megatron``) and the byte objects inside the
 shards: ``torch.load(weights_only=True)``), so the unrestricted ``pickle.load`` / ``torch.load(weights_only=False)``
-that megatron and torch.distributed.checkpoint then run over the same bytes execute no code. A damaged checkpoint
-raises one ``CheckpointError`` naming the file; resuming skips it for the newest good one
-(``latest_checkpoint``).
-"""
+that megatron and torch.distributed.checkpoint then run over the same bytes execute no code; and every file
+still has the bytes its save wrote (``checksums.verify_checksums``; not in checkpoints written before
+checksums). A damaged checkpoint raises one ``CheckpointError`` naming the file; resuming skips it for the
+newest good one (``latest_checkpoint``)."""
 
 import importlib
 import io
@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
+from oryx_megatron.checkpoint.checksums import verify_checksums
 from oryx_megatron.checkpoint.files import (
     CONFIG,
     METADATA,
@@ -108,13 +109,15 @@ def _load_metadata(file: Path):
         return _MetadataUnpickler(f).load()
 
 
-def verify_checkpoint(path: Path) -> None:
+def verify_checkpoint(path: Path, checksums: bool = True) -> None:
     """Raise CheckpointError (naming the file) unless every file of the checkpoint at ``path``
     is present and readable: metadata.json, run_config.yaml, .metadata (restricted unpickler),
     every ``__N_M.distcp`` shard it names at least as long as the byte ranges it lists, the
     common state (``load_common``: weights_only) and every byte object in the shards
-    (weights_only). Contents are not checksummed (the format has no checksums): a shard of the
-    right length with flipped bits is not detected."""
+    (weights_only); then, with ``checksums``, that every file matches its checksum
+    (``ChecksumMismatch``: a shard of the right length with flipped bits). A checkpoint written
+    before checksums has none to match; ``checksums=False`` (reading every byte of the
+    checkpoint again) is for a load of one that was verified whole already."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(path, "the directory does not exist")
@@ -153,6 +156,8 @@ def verify_checkpoint(path: Path) -> None:
                 detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise CheckpointError(path, f"{info.relative_path}: object {index.fqn} is unreadable ({detail[:200]})") \
                     from None
+    if checksums:
+        verify_checksums(path)
 
 
 def _load_yaml(file: Path):

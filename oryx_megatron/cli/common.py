@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 from typing import Tuple
 
+from oryx_megatron.checkpoint import CheckpointKeysError
 from oryx_megatron.cli.errors import ArgumentParser, InputError, command_parser, one_line
 from oryx_megatron.inference.loading import DTYPES, default_device, load_for_inference
 
@@ -34,5 +35,7 @@ def load_checkpoint(args: argparse.Namespace):
         return load_for_inference(args.checkpoint, args.device, args.dtype, getattr(args, "context_parallel", 1))
     except FileNotFoundError as e:  # no checkpoint there, or a damaged one (CheckpointError names the file)
         raise InputError(f"checkpoint {e}") from e
+    except CheckpointKeysError as e:  # names the checkpoint and the keys the model does not have
+        raise InputError(str(e)) from e
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # a corrupt or foreign checkpoint
         raise InputError(f"checkpoint {args.checkpoint}: cannot load it: {one_line(e)}") from e

@@ -12,6 +12,11 @@ number; nothing else in the project reads megatron-core's version (tests/test_st
   (``thread_count`` 2) and one from 0.17. Nothing counts them: verification follows ``.metadata``.
 - **CUDA on the CPU**: 0.19's DDP grad sync calls ``torch.cuda.current_stream()`` on every step;
   ``compat.cpu`` answers it with the CPU stream (on every version).
+- **Asynchronous saves** (``save_request``): ``dist_checkpointing.save(..., async_sharded_save=True)`` returns the
+  AsyncRequest that writes the shards, run by megatron's ``AsyncCallsQueue`` (same module and interface in every
+  release). From 0.19 the save also takes an ``async_strategy``, whose default (NVIDIA's resiliency extension,
+  ``nvidia_resiliency_ext``) is not installed: megatron's own, ``"mcore"``, is asked for where the torch strategy
+  module offers the choice (its ``get_async_strategy``). 0.19 logs once that "MCore's async save is deprecated".
 - **The static inference context** (the Transformer baseline's KV cache, ``models.transformer``): built the
   same way in every release; whether a forward materialises only the last position's logits is the context's
   ``materialize_only_last_token_logits`` up to 0.18, its ``config``'s (an ``InferenceConfig``) from 0.19
@@ -62,6 +67,18 @@ def common_state_location(checkpoint: Path, metadata) -> Optional[Location]:
             return Location(info.relative_path, info.offset, info.length,
                             f"{info.relative_path}: object {COMMON_OBJECT}")
     return None
+
+
+def save_request(sharded_state: dict, path):
+    """``dist_checkpointing.save`` of ``sharded_state`` into the directory ``path``, asynchronously: megatron writes
+    the common state and plans the shards now, on every rank, and returns the AsyncRequest whose ``async_fn``
+    writes this rank's shards and whose finalize functions (on every rank, once every rank has written) write
+    ``.metadata`` and ``metadata.json``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    choice = {"async_strategy": "mcore"} if hasattr(torch_strategy, "get_async_strategy") else {}
+    return dist_checkpointing.save(sharded_state, str(path), async_sharded_save=True, **choice)
 
 
 def static_inference_context(batch_size: int, capacity: int):

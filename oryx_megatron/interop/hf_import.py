@@ -38,7 +38,7 @@ from oryx_megatron.training.builders import (
     build_scheduler,
     model_config,
 )
-from oryx_megatron.training.checkpointing import save_checkpoint
+from oryx_megatron.training.saving import save_checkpoint
 from oryx_megatron.training.validation import validate_run
 
 CONFIG_FILE = "config.json"

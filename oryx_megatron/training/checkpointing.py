@@ -1,38 +1,22 @@
-"""Saving and resuming a training run: distributed checkpoints (megatron.core.dist_checkpointing) of the model,
-optimizer, scheduler, loader and RNG, in the layout of ``oryx_megatron.checkpoint``.
+"""What a training run's checkpoint holds and how it is restored: distributed checkpoints
+(megatron.core.dist_checkpointing) of the model, optimizer, scheduler, loader and RNG, in the layout of
+``oryx_megatron.checkpoint``. Saving them: ``saving``.
 
 A checkpoint saved at one TP/PP layout loads at another (the model and optimizer are sharded tensors; the
 distributed optimizer's state in megatron's ``fully_reshardable`` format, ``OPTIMIZER_FORMAT``); the RNG states
-are restored only at the layout they were saved at. ``latest`` moves only after a complete save.
+are restored only at the layout they were saved at.
 """
 
-import logging
-import os
-import shutil
 from pathlib import Path
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from oryx_megatron.checkpoint import (
-    LATEST,
-    RUN_CONFIG,
-    apply_retention,
-    checkpoints,
-    iteration_dir,
-    iteration_of,
-    latest_name,
-    load_common,
-    load_sharded,
-    verify_checkpoint,
-)
-
-logger = logging.getLogger("oryx_megatron.train")
+from oryx_megatron.checkpoint import load_common, load_sharded, verify_checkpoint
 
 OPTIMIZER_FORMAT = "fully_reshardable"  # the distributed optimizer's: loads at any layout (docs/training.md)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": OPTIMIZER_FORMAT}
@@ -188,32 +172,10 @@ def _load_optimizer(optimizer, state: dict) -> None:
             param_state_of_adam["step"] = torch.tensor(step)
 
 
-def save_checkpoint(ckpt_dir: str, iteration: int, model_chunks, optimizer, scheduler, loader,
-                    run_config_yaml: str, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
-                    extra: Optional[dict] = None) -> Path:
-    """Save on every rank; `latest` moves only once every rank has finished writing, then rank 0
-    applies retention. The directory starts empty: a leftover of a save that did not finish (it
-    is never the one `latest` names) is removed first. run_config.yaml is written after megatron's
-    files and before `latest` moves; a crash in between leaves a directory that `latest` does not
-    name, which verification rejects and the next save of that iteration replaces. ``extra``:
-    more non-sharded state (e.g. the W&B run id), saved in the common state (``compat.megatron``)."""
-    path = iteration_dir(ckpt_dir, iteration)
-    if dist.get_rank() == 0:
-        named = latest_name(ckpt_dir)
-        if path.exists() and named is not None and path.resolve() == named.resolve():
-            # a fresh run (checkpoint.load=false) in a used dir: `latest` must not name it while it is rewritten
-            older = [p for p in checkpoints(ckpt_dir) if iteration_of(p) < iteration]
-            logger.warning("overwriting %s; `latest` names %s until the save completes", path,
-                           older[-1].name if older else "nothing")
-            if older:
-                _write_latest(ckpt_dir, older[-1].name)
-            else:
-                (Path(ckpt_dir) / LATEST).unlink()
-        elif path.exists():
-            logger.warning("removing %s: a save of iteration %d that did not finish", path, iteration)
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-    dist.barrier()
+def run_state(model_chunks, optimizer, scheduler, loader, iteration: int, extra: Optional[dict] = None) -> dict:
+    """What a checkpoint of ``iteration`` holds (every rank's part): the sharded model, optimizer and RNG
+    states, and the common state: iteration, LR schedule, loader, layout and ``extra`` (e.g. the W&B run id;
+    ``compat.megatron`` says where it is written)."""
     state = _sharded_state(model_chunks, optimizer, is_loading=False, with_rng=True)
     state.update(
         iteration=iteration,
@@ -222,25 +184,14 @@ def save_checkpoint(ckpt_dir: str, iteration: int, model_chunks, optimizer, sche
         layout=_layout(),
         **(extra or {}),
     )
-    dist_checkpointing.save(state, str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (path / RUN_CONFIG).write_text(run_config_yaml)
-        _write_latest(ckpt_dir, path.name)
-        apply_retention(ckpt_dir, keep_last, keep_every)
-    dist.barrier()
-    return path
-
-
-def _write_latest(ckpt_dir: str, name: str) -> None:
-    tmp = Path(ckpt_dir) / f"{LATEST}.tmp"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, Path(ckpt_dir) / LATEST)
+    return state
 
 
 def load_checkpoint(path: Path, model_chunks, optimizer, scheduler, loader) -> int:
-    """Restore everything saved at `path` (verified first); returns the iteration to continue from."""
-    verify_checkpoint(path)
+    """Restore everything saved at `path`; returns the iteration to continue from. Every rank verifies
+    its structure first (what megatron will unpickle); its bytes were checked against their checksums
+    by rank 0 when ``Trainer.resume`` chose it (``latest_checkpoint``), once for all ranks."""
+    verify_checkpoint(path, checksums=False)
     common = load_common(path)
     same_layout = common["layout"] == _layout()
     _check_optimizer_state(path, common, optimizer)

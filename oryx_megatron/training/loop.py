@@ -35,6 +35,7 @@ from oryx_megatron.run_config import TrainConfig, train_iters
 from oryx_megatron.training.metrics import MetricsLogger, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
 from oryx_megatron.training.router import RouterTrainer
+from oryx_megatron.training.saving import CheckpointSaver
 from oryx_megatron.training.steps import (
     Interval,
     LossSpikeDetector,
@@ -109,6 +110,9 @@ class Trainer:
         self.run_id: Optional[str] = None  # the W&B run id, chosen (or read from the checkpoint) by resume
         self.preemption = PreemptionHandler()
         self._resources.callback(self.preemption.restore)
+        ckpt = run.checkpoint
+        self.saver = CheckpointSaver(self.ckpt_dir, ckpt.async_save, ckpt.keep_last, ckpt.keep_every)
+        self._resources.callback(self.saver.close)  # an error's way out: the writers end, `latest` stays
         logger.info("%s: %s parameters on this rank, %d iterations of %d tokens", run.model.family,
                     f"{num_params:,}", self.total_iters, self.tokens_per_iter)
 
@@ -153,6 +157,7 @@ class Trainer:
         skips_in_a_row, spikes = 0, LossSpikeDetector(run.train.loss_spike_window, run.train.loss_spike_threshold)
         while self.iteration < stop_at:
             loss_sums, grad_norm = self.train_step()
+            self.log_saves(self.saver.poll())  # an async save whose writes have all finished completes
             interval.add(loss_sums, grad_norm)
             skipped = grad_norm is None
             skips_in_a_row = skips_in_a_row + 1 if skipped else 0
@@ -161,6 +166,7 @@ class Trainer:
                                self.iteration, skips_in_a_row)
                 if skips_in_a_row >= run.train.max_skipped_steps:
                     self.log(interval)
+                    self.log_saves(self.saver.finish())  # the save in flight (of a good step) completes
                     raise NumericalFault(
                         f"{skips_in_a_row} optimizer steps in a row skipped (non-finite loss or gradient, "
                         f"train.max_skipped_steps={run.train.max_skipped_steps}) at iteration {self.iteration}; "
@@ -189,6 +195,7 @@ class Trainer:
         saved = run.checkpoint.save_interval and self.iteration % run.checkpoint.save_interval == 0
         if self.iteration > first_iteration and not saved and (exit_code or run.checkpoint.save_at_end):
             self.save()
+        self.log_saves(self.saver.finish())  # before the exit for requeue too: `latest` names the last save
         if not exit_code and run.train.eval_interval is not None and last_eval != self.iteration:
             self.metrics.log(self.iteration, self.evaluate())
         png = self.metrics.finish()
@@ -259,14 +266,16 @@ class Trainer:
         return results
 
     def save(self) -> None:
-        """A checkpoint of this iteration under checkpoint.dir (none without a dir)."""
+        """A checkpoint of this iteration under checkpoint.dir (none without a dir): written now, or,
+        with checkpoint.async_save, in the background (``saving``)."""
         if self.ckpt_dir:
-            ckpt = self.run.checkpoint
-            path = checkpointing.save_checkpoint(self.ckpt_dir, self.iteration, self.model, self.optimizer,
-                                                 self.scheduler, self.loaders[0], self.run_yaml,
-                                                 keep_last=ckpt.keep_last, keep_every=ckpt.keep_every,
-                                                 extra={"run_id": self.run_id})
-            logger.info("saved %s", path)
+            self.log_saves(self.saver.save(self.iteration, self.model, self.optimizer, self.scheduler,
+                                           self.loaders[0], self.run_yaml, extra={"run_id": self.run_id}))
+
+    def log_saves(self, metrics: Dict[str, float]) -> None:
+        """The checkpoint/ metrics of saves (``CheckpointSaver``), in a row of their own, at this iteration."""
+        if metrics:
+            self.metrics.log(self.iteration, metrics, console=False)
 
 
 class NumericalFault(RuntimeError):

@@ -192,8 +192,9 @@ def load_frozen_weights(model, init_from: str) -> Path:
             raise FileNotFoundError(f"router.init_from={init_from}: neither a checkpoint nor a checkpoint dir "
                                     "with `latest`")
     checkpoint.verify_checkpoint(path)
-    sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.startswith("router.")}
-    state = checkpoint.load_sharded({"model": sharded}, path)["model"]
+    whole = model.sharded_state_dict()
+    sharded = {k: v for k, v in whole.items() if not k.startswith("router.")}
+    state = checkpoint.load_sharded({"model": sharded}, path, model_keys=checkpoint.sharded_keys(whole))["model"]
     missing, unexpected = model.load_state_dict(state, strict=False)
     router_only = all(k.startswith("router.") for k in missing) and not unexpected
     if not router_only:
@@ -204,11 +205,12 @@ def load_frozen_weights(model, init_from: str) -> Path:
 
 def save_model(run: TrainConfig, model, iteration: int) -> Path:
     """The model (router included) as a checkpoint of checkpoint.dir that oryx-generate and
-    oryx-eval read: megatron's files, run_config.yaml, then `latest`."""
+    oryx-eval read: megatron's files, run_config.yaml, the checksums, then `latest`."""
     path = checkpoint.iteration_dir(run.checkpoint.dir, iteration)
     path.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": iteration, "layout": [1, 1, 1]},
                             str(path))
     (path / checkpoint.RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(run)))
+    checkpoint.write_checksums(path)
     (Path(run.checkpoint.dir) / checkpoint.LATEST).write_text(path.name + "\n")
     return path

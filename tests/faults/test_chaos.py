@@ -1,7 +1,8 @@
 """oryx-chaos-train in its short configuration: SIGTERM, SIGKILL at a step and SIGKILL inside a save of
-the tiny model on synthetic MQAR, with the plain and with the distributed optimizer; every restart resumes
-from the last complete checkpoint and the run ends bitwise equal to the uninterrupted one (losses of every
-iteration, weights and optimizer moments)."""
+the tiny model on synthetic MQAR, with the plain and with the distributed optimizer, and with async saves
+(the save kill inside a background write); every restart resumes from the last complete checkpoint, no
+checkpoint cut off by a kill holds checksums, and the run ends bitwise equal to the uninterrupted one (losses
+of every iteration, weights and optimizer moments) with a final checkpoint that matches its checksums."""
 
 import json
 
@@ -12,17 +13,18 @@ from oryx_megatron.checks.chaos import driver as chaos_train
 KILLS, ITERS, SAVE_INTERVAL = 3, 12, 3  # ~5 process starts of ~8 s each on 2 cores
 
 
-@pytest.mark.parametrize("overrides", [[], ["optimizer.use_distributed_optimizer=true"]],
-                         ids=["optimizer", "distributed_optimizer"])
-def test_chaos_run_matches_the_uninterrupted_run(tmp_path, overrides):
+@pytest.mark.parametrize("options", [[], ["optimizer.use_distributed_optimizer=true"], ["--async-save"]],
+                         ids=["optimizer", "distributed_optimizer", "async_save"])
+def test_chaos_run_matches_the_uninterrupted_run(tmp_path, options):
+    save_aim = "write" if "--async-save" in options else "save"
     args = chaos_train.parse_args([
         "--kills", str(KILLS), "--train-iters", str(ITERS), "--save-interval", str(SAVE_INTERVAL),
-        "--seed", "0", "--concurrent-reference", "--attempt-timeout", "300", "--out", str(tmp_path), *overrides])
+        "--seed", "0", "--concurrent-reference", "--attempt-timeout", "300", "--out", str(tmp_path), *options])
     result = chaos_train.chaos(args)
     s = result["summary"]
     assert result["failure"] is None, result["failure"]
     kinds = {(k["signal"], k["aim"]) for k in result["kills"]}
-    assert kinds == {("SIGTERM", "step"), ("SIGKILL", "step"), ("SIGKILL", "save")}
+    assert kinds == {("SIGTERM", "step"), ("SIGKILL", "step"), ("SIGKILL", save_aim)}
     assert s["kills_delivered"] == s["kills_survived"] == KILLS, result["kills"]
     assert s["sigterm"] >= 1 and s["sigkill"] >= 1
     assert s["kills_inside_saves"] >= 1, result["kills"]
@@ -31,6 +33,7 @@ def test_chaos_run_matches_the_uninterrupted_run(tmp_path, overrides):
     assert s["final_loss_diff"] == 0.0 and s["max_loss_diff"] == 0.0
     assert s["max_weight_diff"] == 0.0 and s["max_tensor_diff"] == 0.0 and s["common_state_diff"] == 0.0
     assert s["redone_rows_mismatched"] == 0
+    assert s["final_checksums_match"] and s["incomplete_with_checksums"] == 0
     assert s["ok"]
     for kill in result["kills"]:  # each restart resumed from what `latest` named when the process died
         assert kill["resumed_from"] == kill["latest_after"], kill

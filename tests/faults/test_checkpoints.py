@@ -1,10 +1,11 @@
-"""Damaged checkpoints, retention and resume continuity (issue #15, items 2 and 5).
+"""Damaged checkpoints, retention and resume continuity (issue #15, items 2 and 5; issue #30, item 5).
 
-A truncated or missing file of the latest checkpoint: resume skips it for the previous good one
-(logging which and why) and continues with the losses of an uninterrupted run; oryx-eval stops
-with one line naming the file. Retention keeps the expected iterations. After a resume,
-metrics.jsonl holds each iteration once, the loss curve is drawn from all of it, and W&B
-continues the same run. No save logs megatron's "Overwriting old incomplete" warning.
+A truncated or missing file of the latest checkpoint, or a shard whose bytes were flipped but whose size is
+right (its checksum): resume skips it for the previous good one (logging which and why) and continues with the
+losses of an uninterrupted run; oryx-eval stops with one line naming the file. Every checkpoint lists the
+checksum of each of its files; one without (written before checksums) still loads. Retention keeps the expected
+iterations. After a resume, metrics.jsonl holds each iteration once, the loss curve is drawn from all of it,
+and W&B continues the same run. No save logs megatron's "Overwriting old incomplete" warning.
 """
 
 import json
@@ -18,7 +19,15 @@ import pytest
 import torch
 
 from oryx_megatron import checkpoint
-from oryx_megatron.checkpoint import CheckpointError, apply_retention, verify_checkpoint
+from oryx_megatron.checkpoint import (
+    CHECKSUMS,
+    RUN_CONFIG,
+    CheckpointError,
+    ChecksumMismatch,
+    apply_retention,
+    file_sha256,
+    verify_checkpoint,
+)
 from oryx_megatron.compat.megatron import common_state_location
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.training import metrics
@@ -30,8 +39,10 @@ COMMON = ["model.num_layers=1", "train.train_iters=6", "checkpoint.save_interval
 OVERWRITE_WARNING = "Overwriting old incomplete"
 
 
-def rows(output_dir):
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+def training_rows(output_dir):
+    """The rows of metrics.jsonl that training steps logged (not the checkpoint/ rows of saves)."""
+    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "train/loss" in row]
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +71,30 @@ def truncate(file: Path) -> None:
     os.truncate(file, file.stat().st_size // 2)
 
 
+def largest_tensor(ckpt: Path):
+    """Where the bytes of a checkpoint's largest tensor lie: (shard file name, offset, length)."""
+    info = max(pickle.loads((ckpt / ".metadata").read_bytes()).storage_data.values(), key=lambda i: i.length)
+    return info.relative_path, info.offset, info.length
+
+
 def version_dependent_names(ckpt: Path) -> dict:
     """The names in a checkpoint that depend on megatron-core's version: its first and last shard file
-    (two per rank up to 0.16, one from 0.17) and where the common state lies (common.pt up to 0.18, an
-    object inside a shard from 0.19)."""
+    (two per rank up to 0.16, one from 0.17), the shard holding its largest tensor, and where the common
+    state lies (common.pt up to 0.18, an object inside a shard from 0.19)."""
     shards = sorted(p.name for p in ckpt.glob("*.distcp"))
     where = common_state_location(ckpt, pickle.loads((ckpt / ".metadata").read_bytes()))
-    return {"first_shard": shards[0], "last_shard": shards[-1], "common_state": where.name}
+    return {"first_shard": shards[0], "last_shard": shards[-1], "tensor_shard": largest_tensor(ckpt)[0],
+            "common_state": where.name}
+
+
+def flip_a_byte(file: Path) -> None:
+    """Invert a byte in the middle of the checkpoint's largest tensor (in ``file``), which keeps its length."""
+    _, offset, length = largest_tensor(file.parent)
+    with open(file, "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)[0]
+        f.seek(offset + length // 2)
+        f.write(bytes([byte ^ 0xFF]))
 
 
 def zero_common_state(ckpt: Path) -> None:
@@ -79,6 +107,7 @@ def zero_common_state(ckpt: Path) -> None:
 
 DAMAGES = {  # name: (file of iter_0000004, what is done to it, the reason logged); {names}: version_dependent_names
     "shard": ("{first_shard}", truncate, "{first_shard} is truncated ("),
+    "shard_bytes": ("{tensor_shard}", flip_a_byte, "{tensor_shard} does not match its checksum (sha256 "),
     "last_shard": ("{last_shard}", Path.unlink, "{last_shard} is missing (named by .metadata)"),
     "common": (".", zero_common_state, "{common_state} is truncated or unreadable ("),
     "metadata": (".metadata", truncate, ".metadata is truncated or unreadable ("),
@@ -103,7 +132,7 @@ def test_a_damaged_checkpoint_is_skipped_and_training_continues_exactly(corpus, 
     assert f"resumed from {run / 'ckpt/iter_0000002'} at iteration 2" in caplog.text
     assert OVERWRITE_WARNING not in caplog.text
     # metrics.jsonl: 1..2 of the stopped run (3, 4 dropped: not in iter_2), 3..6 of this one
-    assert [row["iteration"] for row in rows(run / "out")] == [1, 2, 3, 4, 5, 6]
+    assert [row["iteration"] for row in training_rows(run / "out")] == [1, 2, 3, 4, 5, 6]
     assert losses(run / "out") == straight  # exact, not approximately
     assert (run / "ckpt/latest").read_text().strip() == "iter_0000006"
     verify_checkpoint(run / "ckpt/iter_0000004")  # saved again, intact
@@ -176,6 +205,51 @@ def test_oryx_eval_on_a_damaged_checkpoint_is_one_line(stopped, tmp_path, capsys
         load_model(str(run / "ckpt"))
 
 
+def test_oryx_eval_on_flipped_bytes_is_one_line(stopped, tmp_path, capsys):
+    from oryx_megatron.cli.evaluate import main
+
+    ckpt = copy_of(stopped, tmp_path) / "ckpt/iter_0000004"
+    shard = largest_tensor(ckpt)[0]
+    flip_a_byte(ckpt / shard)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(ckpt.parent), "--task", "ppl", "--out", str(tmp_path / "eval")])
+    assert exit_info.value.code == 2
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and (f"error: checkpoint {ckpt} is damaged: {shard} does not match its checksum "
+                                      "(sha256 " in error_lines[0]), error_lines
+
+
+def test_every_file_has_a_checksum_written_last(stopped):
+    ckpt = stopped / "ckpt/iter_0000004"
+    listed = dict(reversed(line.split("  ", 1)) for line in (ckpt / CHECKSUMS).read_text().splitlines())
+    assert set(listed) == {p.name for p in ckpt.iterdir()} - {CHECKSUMS}  # sha256sum's format, every file
+    assert all(file_sha256(ckpt / name) == sha for name, sha in listed.items())
+    assert (ckpt / CHECKSUMS).stat().st_mtime_ns >= max(p.stat().st_mtime_ns for p in ckpt.iterdir())
+
+
+def test_a_checkpoint_without_checksums_loads_as_before(stopped, tmp_path):
+    """A checkpoint written before checksums: its structure is verified, its bytes cannot be."""
+    run = copy_of(stopped, tmp_path)
+    (run / "ckpt/iter_0000004" / CHECKSUMS).unlink()
+    verify_checkpoint(run / "ckpt/iter_0000004")
+    assert checkpoint.latest_checkpoint(str(run / "ckpt")) == run / "ckpt/iter_0000004"
+
+
+def test_a_checksum_file_names_the_file_that_differs(stopped, tmp_path):
+    ckpt = copy_of(stopped, tmp_path) / "ckpt/iter_0000004"
+    recorded = (ckpt / CHECKSUMS).read_text()
+    with open(ckpt / RUN_CONFIG, "a") as f:  # still a valid run config
+        f.write("# edited\n")
+    with pytest.raises(ChecksumMismatch, match=r"iter_0000004 is damaged: run_config.yaml does not match its checksum"):
+        verify_checkpoint(ckpt)
+    (ckpt / CHECKSUMS).write_text(recorded + f"{'0' * 64}  gone.distcp\n")
+    with pytest.raises(CheckpointError, match=r"gone.distcp is missing \(named by checksums.sha256\)"):
+        verify_checkpoint(ckpt, checksums=True)
+    (ckpt / CHECKSUMS).write_text("0123  common.pt\n")
+    with pytest.raises(CheckpointError, match=r"checksums.sha256 is unreadable \(line 1 is not '<sha256>  <file>'\)"):
+        verify_checkpoint(ckpt)
+
+
 def test_retention_keeps_the_newest_and_every_mth(corpus, tmp_path):
     run = run_config(corpus, tmp_path, "model.num_layers=1", "train.train_iters=5", "checkpoint.save_interval=1",
                      "checkpoint.keep_last=2", "checkpoint.keep_every=2")
@@ -197,7 +271,8 @@ def test_resume_continues_the_metrics_curve_and_the_wandb_run(corpus, tmp_path, 
     plotted = []
     plot = metrics.plot_loss_curve
     monkeypatch.setattr(metrics, "plot_loss_curve",
-                        lambda history, path: plotted.append([r["iteration"] for r in history]) or plot(history, path))
+                        lambda history, path: plotted.append([r["iteration"] for r in history if "train/loss" in r])
+                        or plot(history, path))
     args = ["model.num_layers=1", "train.train_iters=3", "train.exit_interval=2", "checkpoint.save_at_end=true",
             "logging.wandb_mode=offline"]
     out = tmp_path / "out"
@@ -205,7 +280,7 @@ def test_resume_continues_the_metrics_curve_and_the_wandb_run(corpus, tmp_path, 
     with open(out / "metrics.jsonl", "a") as f:  # an iteration logged after the last save, then a crash
         f.write(json.dumps({"iteration": 3, "train/loss": 9.0}) + "\n")
     assert pretrain(run_config(corpus, tmp_path, *args), str(out)) == 0  # 3, saved at 3
-    assert [row["iteration"] for row in rows(out)] == [1, 2, 3]
+    assert [row["iteration"] for row in training_rows(out)] == [1, 2, 3]
     assert 9.0 not in losses(out)
     assert plotted == [[1, 2], [1, 2, 3]]
     assert (out / "loss_curve.png").stat().st_size > 0

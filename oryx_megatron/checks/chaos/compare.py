@@ -1,5 +1,6 @@
 """The chaos run against the reference: loss curves (the last row logged per iteration) and every
-tensor of the two final checkpoints (model weights, optimizer moments) plus the common state."""
+tensor of the two final checkpoints (model weights, optimizer moments) plus the common state; and whether
+the chaos run's final checkpoint matches its checksums."""
 
 import math
 from pathlib import Path
@@ -97,4 +98,15 @@ def compare_checkpoints(ref: Path, got: Path) -> dict:
         "common_state_diff": _max_diff(*({k: c[k] for k in set(common_a) & set(common_b) - RUN_IDS}
                                          for c in (common_a, common_b))),
         "common_keys_only_in_one": sorted(set(common_a) ^ set(common_b)),
+        "checksums_match": checksums_match(got),
     }
+
+
+def checksums_match(path: Path) -> bool:
+    """Whether every file of the checkpoint at ``path`` matches its checksum (False without a checksum file)."""
+    from oryx_megatron.checkpoint import CheckpointError, verify_checksums
+
+    try:
+        return verify_checksums(path)
+    except CheckpointError:
+        return False

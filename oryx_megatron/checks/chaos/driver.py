@@ -15,7 +15,11 @@
      that this attempt created or rewrote (the directory's or its run_config.yaml's mtime), then kills
      after a random delay below half the shortest save of that sort seen so far (a process's first save
      starts megatron's writer Manager and takes seconds, later ones ~0.1 s); if the save finishes first,
-     the kill goes at once when the next save starts. SIGKILL goes to the trainer's process group.
+     the kill goes at once when the next save starts. SIGKILL goes to the trainer's process group;
+   * with ``--async-save`` (``checkpoint.async_save=true``) those kills are ``write`` kills instead, inside an
+     async save's background write: armed once the attempt has logged the save's ``checkpoint/blocking_s`` row
+     (training goes on) and until `latest` names it, they fire after a random delay below half the shortest
+     background write seen (``checkpoint/background_s``), or at once after a miss.
 
    Whether a kill really landed inside a save is decided after the process died, from the disk: an
    iteration directory written by this attempt that ``latest`` does not name is an incomplete checkpoint.
@@ -23,20 +27,25 @@
 3. **Checks** per kill: the next attempt resumes from the checkpoint ``latest`` named when the killed one
    died (its "resumed from ... at iteration R" line) and reaches at least its iteration. Steps redone =
    last iteration logged by the killed attempt - R; allowed: ``save_interval - 1`` (``save_interval`` when
-   the kill hit the save of the last step, 0 after a SIGTERM, which saves before exiting); anything above
-   is counted as *steps lost beyond the save interval* (must be 0). At the end: the loss of every iteration
-   (for each iteration the LAST row logged: killed attempts log steps that are redone later; a row cut by
-   a SIGKILL is skipped) and every tensor of both final checkpoints (model weights and optimizer moments,
-   read with torch.distributed.checkpoint) against the reference, plus the scheduler / loader state.
+   the kill hit the save of the last step, plus the steps taken after that save's iteration while its
+   background write was in flight; 0 after a SIGTERM, which saves, and completes the save in flight, before
+   exiting); anything above is counted as *steps lost beyond the save interval* (must be 0); no incomplete
+   checkpoint may hold a checksum file (it is written last). At the end: the loss of every iteration (for
+   each iteration the LAST row logged: killed attempts log steps that are redone later; a row cut by a
+   SIGKILL is skipped) and every tensor of both final checkpoints (model weights and optimizer moments,
+   read with torch.distributed.checkpoint) against the reference, plus the scheduler / loader state; and
+   the chaos run's final checkpoint against its checksums.
 
 Outputs under ``--out``: ``reference/`` and ``chaos/attempt_NN/`` (Hydra run dirs with metrics.jsonl),
 ``chaos/ckpt``, ``*.log`` (each process's console), ``chaos.json`` and ``summary.md``. Exit code 0 only when
-every kill was survived, no step was lost beyond the save interval, and losses and tensors match within
-``--atol`` (default 0: CPU fp32 runs are bitwise deterministic).
+every kill was survived, no step was lost beyond the save interval, no incomplete checkpoint holds checksums,
+the final one matches its own, and losses and tensors match within ``--atol`` (default 0: CPU fp32 runs are
+bitwise deterministic).
 
     oryx-chaos-train --kills 30 --train-iters 120 --save-interval 5 --seed 1 --out runs/chaos   # docs/reliability.md
     oryx-chaos-train --kills 4 -- model.family=oryx_tm                                         # Hydra overrides
     oryx-chaos-train --kills 4 -- optimizer.use_distributed_optimizer=true                     # docs/training.md
+    oryx-chaos-train --kills 4 --async-save                                                    # background writes
 """
 
 import argparse
@@ -69,6 +78,7 @@ DEFAULT_OVERRIDES = [
     "optimizer.lr_warmup_iters=2", "logging.wandb_mode=disabled",
 ]
 REQUEUE_EXIT_CODE = 3  # oryx_megatron.launch.REQUEUE_EXIT_CODE (not imported: keeps the driver light)
+CHECKSUMS = "checksums.sha256"  # oryx_megatron.checkpoint.CHECKSUMS (likewise)
 RESUMED = re.compile(r"resumed from (\S+) at iteration (\d+)")
 
 
@@ -82,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-interval", type=int, default=4)
     p.add_argument("--sigterm-fraction", type=float, default=0.3)
     p.add_argument("--save-fraction", type=float, default=0.3, help="share of kills aimed inside a save")
+    p.add_argument("--async-save", action="store_true",
+                   help="checkpoint.async_save=true; the save kills aim inside the background writes")
     p.add_argument("--out", default="runs/chaos")
     p.add_argument("--atol", type=float, default=0.0, help="allowed loss / tensor difference (0: bitwise)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the training processes")
@@ -102,7 +114,8 @@ def chaos(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     overrides = ([] if args.no_defaults else DEFAULT_OVERRIDES) + list(args.overrides) + [
         f"train.train_iters={args.train_iters}", f"checkpoint.save_interval={args.save_interval}",
-        "checkpoint.save_at_end=true", "checkpoint.load=true", "train.log_interval=1", "train.exit_interval=null"]
+        "checkpoint.save_at_end=true", "checkpoint.load=true", "train.log_interval=1", "train.exit_interval=null",
+        f"checkpoint.async_save={str(args.async_save).lower()}"]
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
            "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     base = [sys.executable, "-m", "oryx_megatron.cli.train", *overrides]
@@ -127,7 +140,8 @@ def chaos(args: argparse.Namespace) -> dict:
               f"save {stats.save_time() * 1e3:.0f} ms)", flush=True)
 
     # 2. the same run under chaos
-    plan = plan_kills(args.kills, T, rng, args.sigterm_fraction, args.save_fraction)
+    plan = plan_kills(args.kills, T, rng, args.sigterm_fraction, args.save_fraction,
+                      save_aim="write" if args.async_save else "save")
     ckpt = out / "chaos" / "ckpt"
     (out / "chaos").mkdir(exist_ok=True)
     pending, attempts, failure = list(plan), [], None
@@ -153,7 +167,10 @@ def chaos(args: argparse.Namespace) -> dict:
             previous.resumed_from = resumed_from
             if previous.last_logged is not None:
                 previous.redone = max(0, previous.last_logged - resumed_from)
-                allowed = 0 if previous.exit_code == REQUEUE_EXIT_CODE else S - 1 + int(previous.inside_save)
+                in_flight = (max(0, previous.last_logged - previous.incomplete_iteration)  # steps beside a write
+                             if previous.inside_save else 0)
+                allowed = (0 if previous.exit_code == REQUEUE_EXIT_CODE
+                           else S - 1 + int(previous.inside_save) + in_flight)
                 previous.lost_beyond_interval = max(0, previous.redone - allowed)
             # it trained on: to the end, to where the killed one got, or until the next planned kill
             progressed = latest == T or tail.last >= (previous.last_logged or 0) or (
@@ -210,7 +227,7 @@ def chaos(args: argparse.Namespace) -> dict:
     final_loss_diff = (abs(ref_curve[T] - curve[T]) if T in ref_curve and T in curve else math.inf)
     weights = (compare_checkpoints(ref_ckpt / f"iter_{T:07d}", ckpt / f"iter_{T:07d}")
                if latest_iteration(ckpt) == T else {"max_weight_diff": math.inf, "max_tensor_diff": math.inf,
-                                                    "common_state_diff": math.inf})
+                                                    "common_state_diff": math.inf, "checksums_match": False})
     done = [k for k in plan if k.sent and k.attempt >= 0]
     summary = {
         "kills_planned": len(plan),
@@ -232,13 +249,17 @@ def chaos(args: argparse.Namespace) -> dict:
         "max_weight_diff": weights["max_weight_diff"],
         "max_tensor_diff": weights["max_tensor_diff"],
         "common_state_diff": weights["common_state_diff"],
+        "final_checksums_match": weights["checksums_match"],
+        # a checksum file is written last: a checkpoint cut off by a kill has none
+        "incomplete_with_checksums": sum(CHECKSUMS in k.incomplete_files for k in done),
         "reference_s": round(reference_s, 1),
         "chaos_s": round(chaos_s, 1),
     }
     ok = (failure is None and summary["kills_delivered"] == len(plan) and summary["kills_survived"] == len(plan)
           and summary["steps_lost_beyond_save_interval"] == 0 and len(iters) == T and iters == list(range(1, T + 1))
           and all(summary[k] <= args.atol for k in ("max_loss_diff", "max_weight_diff", "max_tensor_diff"))
-          and summary["common_state_diff"] == 0 and summary["redone_rows_mismatched"] == 0)
+          and summary["common_state_diff"] == 0 and summary["redone_rows_mismatched"] == 0
+          and summary["final_checksums_match"] and summary["incomplete_with_checksums"] == 0)
     summary["ok"] = ok
     result = {"summary": summary, "failure": failure, "args": vars(args), "overrides": overrides,
               "kills": [asdict(k) for k in plan], "attempts": attempts, "checkpoints": weights}
@@ -258,7 +279,9 @@ def _check_reference(rc: int, ref_ckpt: Path, T: int, out: Path) -> None:
 
 
 def _report(bar: tqdm, k: Kill) -> None:
-    where = f"inside the save of iteration {k.incomplete_iteration}" if k.inside_save else f"after iteration {k.last_logged}"
+    what = "background write" if k.aim == "write" else "save"
+    where = (f"inside the {what} of iteration {k.incomplete_iteration}" if k.inside_save
+             else f"after iteration {k.last_logged}")
     bar.write(f"kill {k.index + 1}: {k.signal} ({k.aim}, target {k.target}) {where}, exit {k.exit_code}; "
               f"latest {k.latest_after} -> resumed from {k.resumed_from}, redone {k.redone}, "
               f"lost beyond interval {k.lost_beyond_interval}: {'survived' if k.survived else 'FAILED'}{k.note}")
@@ -277,6 +300,8 @@ def summary_table(s: dict, T: int, S: int) -> str:
         ("max loss difference (every iteration)", s["max_loss_diff"]),
         ("max weight difference", s["max_weight_diff"]),
         ("max tensor difference (weights + optimizer)", s["max_tensor_diff"]),
+        ("final checkpoint matches its checksums", s["final_checksums_match"]),
+        ("incomplete checkpoints holding checksums", s["incomplete_with_checksums"]),
         ("time: reference / chaos (s)", f"{s['reference_s']} / {s['chaos_s']}"
                                          + (" (concurrent)" if not s["reference_s"] else "")),
         ("result", "OK" if s["ok"] else "MISMATCH"),

@@ -9,7 +9,7 @@ from typing import List, Optional
 class Kill:
     index: int
     signal: str  # SIGKILL / SIGTERM
-    aim: str  # step / save
+    aim: str  # step / save / write (an async save's background write)
     target: int  # the iteration after which the kill is armed
     attempt: int = -1
     sent: bool = False
@@ -28,15 +28,16 @@ class Kill:
 
 
 def plan_kills(kills: int, train_iters: int, rng: random.Random, sigterm_fraction: float,
-               save_fraction: float) -> List[Kill]:
-    """Sorted targets; with 3 kills or more at least one SIGTERM, one SIGKILL step and one in-save kill."""
+               save_fraction: float, save_aim: str = "save") -> List[Kill]:
+    """Sorted targets; with 3 kills or more at least one SIGTERM, one SIGKILL step and one SIGKILL aimed
+    at ``save_aim`` (inside a save, or inside an async save's background write)."""
     kinds = []
     for _ in range(kills):
         u = rng.random()
-        kinds.append(("SIGKILL", "save") if u < save_fraction else
+        kinds.append(("SIGKILL", save_aim) if u < save_fraction else
                      ("SIGTERM", "step") if u < save_fraction + sigterm_fraction else ("SIGKILL", "step"))
     if kills >= 3:
-        required = [("SIGTERM", "step"), ("SIGKILL", "step"), ("SIGKILL", "save")]
+        required = [("SIGTERM", "step"), ("SIGKILL", "step"), ("SIGKILL", save_aim)]
         missing = [k for k in required if k not in kinds]
         replaceable = [i for i, k in enumerate(kinds) if kinds.count(k) > 1]
         rng.shuffle(replaceable)

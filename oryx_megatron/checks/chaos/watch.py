@@ -21,6 +21,7 @@ class Stats:
     step_s: List[float] = field(default_factory=list)
     save_s: List[float] = field(default_factory=list)  # saves after the first of a process
     first_save_s: List[float] = field(default_factory=list)  # + starting megatron's writer Manager process
+    write_s: List[float] = field(default_factory=list)  # async saves' background writes (checkpoint/background_s)
     leftovers: List[int] = field(default_factory=list)  # processes of each attempt's group alive after it ended
 
     def step_time(self) -> float:
@@ -30,6 +31,10 @@ class Stats:
         """The shortest save seen (of a process's first saves, or of the others): kills within it land inside."""
         seen = self.first_save_s if first else self.save_s
         return min(seen) if seen else 0.02
+
+    def write_time(self) -> float:
+        """The shortest background write of an async save seen: kills within it land inside."""
+        return min(self.write_s) if self.write_s else 0.02
 
 
 class MetricsTail:
@@ -114,7 +119,7 @@ class SaveWatch:
         self.started: Dict[int, float] = {}
         self.completed = 0
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> None:
         latest = latest_iteration(self.ckpt_dir)
         for it in written_since(self.ckpt_dir, self.since):
             if it > latest and it not in self.started:
@@ -123,7 +128,6 @@ class SaveWatch:
             seconds = time.monotonic() - self.started.pop(it)
             (self.stats.save_s if self.completed else self.stats.first_save_s).append(seconds)
             self.completed += 1
-        return max(self.started, default=None)
 
 
 def run_attempt(cmd: List[str], env: dict, run_dir: Path, ckpt_dir: Path, log_path: Path, kill: Optional[Kill],
@@ -137,19 +141,15 @@ def run_attempt(cmd: List[str], env: dict, run_dir: Path, ckpt_dir: Path, log_pa
     try:
         while proc.poll() is None:
             tail.poll()
-            in_progress = saves.poll()
+            saves.poll()
             if kill is not None and not kill.sent:
-                if fire_at is None and tail.last >= kill.target:
-                    if kill.aim == "step":
-                        fire_at = time.monotonic() + rng.uniform(0.0, stats.step_time())
-                    elif in_progress is not None and in_progress >= kill.target:
-                        armed_save = in_progress
-                        first = saves.completed == 0
-                        # a random point of the save; after a miss (the load varies), at once
-                        delay = 0.0 if missed else rng.uniform(0.0, 0.5 * stats.save_time(first))
-                        fire_at = time.monotonic() + delay
-                        kill.events.append(f"{time.time() - since:.3f}: save of {armed_save} seen, "
-                                           f"kill in {fire_at - time.monotonic():.3f} s")
+                aimed = _aim(kill, tail, saves, stats, rng, missed) if fire_at is None else None
+                if aimed is not None:
+                    delay, armed_save = aimed
+                    fire_at = time.monotonic() + delay
+                    if armed_save is not None:
+                        kill.events.append(f"{time.time() - since:.3f}: {kill.aim} of {armed_save} seen, "
+                                           f"kill in {delay:.3f} s")
                 if armed_save is not None and armed_save not in saves.started:
                     kill.events.append(f"{time.time() - since:.3f}: save of {armed_save} finished first")
                     fire_at, armed_save, missed = None, None, True  # kill inside the next one at once
@@ -176,7 +176,30 @@ def run_attempt(cmd: List[str], env: dict, run_dir: Path, ckpt_dir: Path, log_pa
     saves.poll()
     times = [t for t, _ in tail.arrived]
     stats.step_s += [b - a for a, b in zip(times, times[1:]) if b - a < 1.0]  # not the 1st save's pause
+    stats.write_s += [row["checkpoint/background_s"] for row in tail.rows if "checkpoint/background_s" in row]
     return proc.returncode, tail, since
+
+
+def _aim(kill: Kill, tail: MetricsTail, saves: SaveWatch, stats: Stats, rng: random.Random,
+         missed: bool) -> Optional[Tuple[float, Optional[int]]]:
+    """Once ``kill`` is armed (its target iteration logged and, for a save or write kill, the save it aims
+    at begun): the delay before it fires and the iteration of that save (None for a step kill); else None.
+    A save kill aims at a save in progress (its directory newer than `latest`), a write kill at an async
+    save whose blocking part is over (its checkpoint/blocking_s row is logged) and that has not completed:
+    at a random point of the shortest such span seen, or, after a miss (the load varies), at once."""
+    if tail.last < kill.target:
+        return None
+    if kill.aim == "step":
+        return rng.uniform(0.0, stats.step_time()), None
+    if kill.aim == "write":
+        scheduled = {row["iteration"] for row in tail.rows if "checkpoint/blocking_s" in row}
+        aims, shortest = [it for it in saves.started if it in scheduled], stats.write_time()
+    else:
+        aims, shortest = list(saves.started), stats.save_time(first=saves.completed == 0)
+    aims = [it for it in aims if it >= kill.target]
+    if not aims:
+        return None
+    return (0.0 if missed else rng.uniform(0.0, 0.5 * shortest)), max(aims)
 
 
 def _group_size(pgid: int) -> int:

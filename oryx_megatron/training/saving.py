@@ -1,0 +1,190 @@
+"""Saving a training run's checkpoints, while the loop waits or in the background (``checkpoint.async_save``).
+
+Both ways run megatron-core's asynchronous ``dist_checkpointing`` save (``compat.megatron.save_request``): on
+every rank megatron writes the common state, plans the shards and returns an AsyncRequest whose ``async_fn``
+writes this rank's shards. Here that function is wrapped to hash each file it wrote afterwards (``_HashingWriter``).
+
+- **sync**: the request runs here and now (megatron's own sync save does the same).
+- **async**: megatron's ``AsyncCallsQueue`` forks a writer process per rank, whose memory is a copy-on-write
+  snapshot of the state at that moment (training goes on changing the weights), and training continues.
+  ``poll`` (after every step; one all-reduce while a save is in flight) asks whether the writers of EVERY rank
+  have finished.
+
+Then the request's finalize functions run on every rank: megatron's (rank 0 writes ``.metadata``, then
+``metadata.json``), then ``_publish``: the ranks' file hashes are gathered, and rank 0 writes ``run_config.yaml``,
+``checksums.sha256`` (``checkpoint.checksums``: last, so a checkpoint that has it is complete), moves `latest`
+and applies retention. A kill anywhere before that leaves `latest` on the previous complete checkpoint. One save
+is in flight at a time: a new save, the end of training and the exit for requeue wait for it (``finish``).
+Metrics: ``checkpoint/blocking_s`` (what a save call blocked the loop), and, when an async save completes,
+``checkpoint/background_s`` (its slowest rank's write and hashing) and ``checkpoint/finalize_s`` (what completing
+it blocked the loop, with any wait for the writers).
+"""
+
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+from oryx_megatron.checkpoint import (
+    LATEST,
+    RUN_CONFIG,
+    CheckpointError,
+    apply_retention,
+    checkpoints,
+    file_sha256,
+    iteration_dir,
+    iteration_of,
+    latest_name,
+    write_checksums,
+)
+from oryx_megatron.compat.megatron import save_request
+from oryx_megatron.training.checkpointing import run_state
+
+logger = logging.getLogger("oryx_megatron.train")
+
+
+class _HashingWriter:
+    """A rank's shard writer (megatron's ``async_fn``), then the sha256 of each file it wrote; both, with the
+    seconds they took, are reported through a pipe, since an async save runs them in a forked process."""
+
+    def __init__(self, write):
+        self.write = write
+        self._received, self._sent = multiprocessing.get_context("fork").Pipe(duplex=False)
+
+    def __call__(self, rank, write_buckets, *args, **kwargs):
+        start = time.perf_counter()
+        self.write(rank, write_buckets, *args, **kwargs)
+        hashes = {Path(file).name: file_sha256(Path(file)) for file, *_ in write_buckets}  # (path, name, data)
+        self._sent.send((hashes, time.perf_counter() - start))
+
+    def report(self, path: Path) -> Tuple[Dict[str, str], float]:
+        """What the writer sent, once it has ended: file name -> sha256, and its seconds."""
+        try:
+            if not self._received.poll():
+                raise CheckpointError(path, f"rank {dist.get_rank()}'s writer ended before hashing its files")
+            return self._received.recv()
+        finally:
+            self._received.close()
+            self._sent.close()
+
+
+class CheckpointSaver:
+    """The saves of one training run into ``ckpt_dir``: ``save`` on every rank at the same iterations, ``poll``
+    after each step, ``finish`` before the run ends; ``close`` on the way out of an error."""
+
+    def __init__(self, ckpt_dir: str, async_save: bool = False, keep_last: Optional[int] = None,
+                 keep_every: Optional[int] = None):
+        self.ckpt_dir, self.keep_last, self.keep_every = ckpt_dir, keep_last, keep_every
+        self.queue = AsyncCallsQueue() if async_save else None
+        self._completed: Dict[str, float] = {}  # metrics of the saves completed since they were last returned
+
+    def save(self, iteration: int, model_chunks, optimizer, scheduler, loader, run_config_yaml: str,
+             extra: Optional[dict] = None) -> Dict[str, float]:
+        """Save ``iteration`` (every rank): wait for the save in flight, start this one in an empty
+        directory, and write it (sync) or leave it writing (async). Returns the metrics: this save's
+        ``checkpoint/blocking_s`` and those of the one it waited for."""
+        start = time.perf_counter()
+        waited_for = self.finish()
+        path = _empty_directory(self.ckpt_dir, iteration)
+        request = save_request(run_state(model_chunks, optimizer, scheduler, loader, iteration, extra), path)
+        writer = None
+        if request.async_fn is not None:  # None: nothing of the checkpoint lies on this rank
+            writer = _HashingWriter(request.async_fn)
+            request = request._replace(async_fn=writer)
+        request.add_finalize_fn(partial(self._publish, path, run_config_yaml, writer))
+        if self.queue is None:
+            request.execute_sync()
+        else:
+            self.queue.schedule_async_request(request)
+            logger.info("saving %s in the background", path)
+        return {**waited_for, "checkpoint/blocking_s": time.perf_counter() - start}
+
+    def poll(self) -> Dict[str, float]:
+        """Complete the save in flight if every rank's writer has finished (collective while one is in
+        flight: call it on every rank); the metrics of what completed."""
+        return self._complete(blocking=False)
+
+    def finish(self) -> Dict[str, float]:
+        """Wait for every rank's writer of the save in flight and complete it (collective); its metrics."""
+        return self._complete(blocking=True)
+
+    def close(self) -> None:
+        """On the way out of an error: wait for this rank's writer to end, completing nothing (no
+        collective: other ranks may be gone). `latest` stays on the last completed save."""
+        if self.queue is not None:
+            for call in self.queue.async_calls:
+                call.async_caller.close()
+            self.queue.async_calls.clear()
+
+    def _complete(self, blocking: bool) -> Dict[str, float]:
+        if self.queue is not None and self.queue.get_num_unfinalized_calls():
+            start = time.perf_counter()
+            if self.queue.maybe_finalize_async_calls(blocking=blocking):
+                self._completed["checkpoint/finalize_s"] = time.perf_counter() - start
+        return self._take_completed()
+
+    def _take_completed(self) -> Dict[str, float]:
+        completed, self._completed = self._completed, {}
+        return completed
+
+    def _publish(self, path: Path, run_config_yaml: str, writer: Optional[_HashingWriter]) -> None:
+        """The last finalize function (every rank; every writer has finished, megatron's finalize has written
+        .metadata and metadata.json): rank 0 writes run_config.yaml and the checksums (the shards' from
+        their writers), moves `latest` and applies retention."""
+        hashes, seconds = writer.report(path) if writer is not None else ({}, 0.0)
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (hashes, seconds))
+        if dist.get_rank() == 0:
+            (path / RUN_CONFIG).write_text(run_config_yaml)
+            write_checksums(path, {name: sha for file_hashes, _ in reports for name, sha in file_hashes.items()})
+            _write_latest(self.ckpt_dir, path.name)
+            apply_retention(self.ckpt_dir, self.keep_last, self.keep_every)
+        dist.barrier()
+        if self.queue is not None:
+            self._completed["checkpoint/background_s"] = max(s for _, s in reports)
+        logger.info("saved %s", path)
+
+
+def save_checkpoint(ckpt_dir: str, iteration: int, model_chunks, optimizer, scheduler, loader,
+                    run_config_yaml: str, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
+                    extra: Optional[dict] = None) -> Path:
+    """One synchronous save on every rank (``CheckpointSaver.save``); returns its directory."""
+    saver = CheckpointSaver(ckpt_dir, keep_last=keep_last, keep_every=keep_every)
+    saver.save(iteration, model_chunks, optimizer, scheduler, loader, run_config_yaml, extra)
+    return iteration_dir(ckpt_dir, iteration)
+
+
+def _empty_directory(ckpt_dir: str, iteration: int) -> Path:
+    """The empty directory of ``iteration``'s checkpoint (rank 0 makes it; every rank waits). A leftover of a
+    save that did not finish (never the one `latest` names) is removed; a fresh run (checkpoint.load=false)
+    in a used dir that saves the iteration `latest` names points `latest` at an older one first."""
+    path = iteration_dir(ckpt_dir, iteration)
+    if dist.get_rank() == 0:
+        named = latest_name(ckpt_dir)
+        if path.exists() and named is not None and path.resolve() == named.resolve():
+            older = [p for p in checkpoints(ckpt_dir) if iteration_of(p) < iteration]
+            logger.warning("overwriting %s; `latest` names %s until the save completes", path,
+                           older[-1].name if older else "nothing")
+            if older:
+                _write_latest(ckpt_dir, older[-1].name)
+            else:
+                (Path(ckpt_dir) / LATEST).unlink()
+        elif path.exists():
+            logger.warning("removing %s: a save of iteration %d that did not finish", path, iteration)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    dist.barrier()
+    return path
+
+
+def _write_latest(ckpt_dir: str, name: str) -> None:
+    tmp = Path(ckpt_dir) / f"{LATEST}.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, Path(ckpt_dir) / LATEST)
