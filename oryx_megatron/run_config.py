@@ -34,6 +34,8 @@ class DataConfig:
     mqar_num_queries: Optional[int] = None  # mqar: queries (answers) per sample; None: mqar_num_pairs
     mqar_vocab_size: Optional[int] = None  # mqar: ids drawn from [0, this); None: model.vocab_size
     mqar_filler_id: Optional[int] = None  # mqar: the token between context and queries (not a key id); None: noise
+    mqar_query_spans: Optional[int] = None  # mqar: None: the queries last; S: scattered in S spans (data/tasks/mqar.py)
+    mqar_context_segments: Optional[int] = None  # mqar, scattered: segments of the pairs (None: mqar_query_spans)
 
 
 @dataclass
@@ -235,7 +237,8 @@ def mqar_task(run: TrainConfig, seed: int = 0) -> MQARConfig:
     model.vocab_size); raises ValueError on sizes that do not fit."""
     d = run.data
     return MQARConfig(d.mqar_vocab_size or run.model.vocab_size, d.seq_length, d.mqar_num_pairs, d.mqar_num_queries,
-                      seed=seed, filler_id=d.mqar_filler_id)
+                      seed=seed, filler_id=d.mqar_filler_id, query_spans=d.mqar_query_spans,
+                      context_segments=d.mqar_context_segments)
 
 
 def _check_router(run: TrainConfig) -> None:

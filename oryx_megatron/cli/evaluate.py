@@ -3,6 +3,7 @@
     oryx-eval runs/ckpt --task ppl          # held-out perplexity per schedule
     oryx-eval runs/ckpt --task mode_switch  # per-position loss around a mixer switch (+ CSV, PNG)
     oryx-eval runs/ckpt --task mqar         # retrieval accuracy: attention / linear / mixed
+    oryx-eval runs/ckpt --task mqar --query-spans 3   # the queries in 3 spans at random positions
     oryx-eval runs/ckpt --task niah
 
 Each task prints a table and writes <out>/<task>.json (see docs/inference.md).
@@ -64,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "data.mqar_num_pairs, 8)")
     retrieval.add_argument("--num-queries", type=int, help="mqar: pairs asked (default all, or the "
                                                             "checkpoint's data.mqar_num_queries)")
+    retrieval.add_argument("--query-spans", type=int, help="mqar: 0 asks the queries last (today's MQAR); S "
+                           "scatters them in S spans at random positions between the context segments and the filler "
+                           "(default the checkpoint's data.mqar_query_spans, else 0)")
+    retrieval.add_argument("--context-segments", type=int, help="mqar, scattered: segments of the pairs (default "
+                                                                 "the checkpoint's, else --query-spans)")
     retrieval.add_argument("--num-needles", type=int, default=1, help="niah: needles (> 1: multi-key)")
     retrieval.add_argument("--key-len", type=int, default=2, help="niah: tokens per key")
     retrieval.add_argument("--value-len", type=int, default=4, help="niah: tokens per value (the answer)")
@@ -81,7 +87,7 @@ def run_task(model, run, args: argparse.Namespace, out: Path) -> dict:
                                     args.tolerance, args.answers_only, router)
     return evaluate_retrieval(model, run, args.task, args.num_samples, args.seq_len, args.batch_size, args.seed,
                               args.haystack, args.num_pairs, args.num_queries, args.num_needles, args.key_len,
-                              args.value_len, router)
+                              args.value_len, router, args.query_spans, args.context_segments)
 
 
 def _main(argv: List[str]) -> int:

@@ -48,7 +48,7 @@ def matched_baselines(fraction: float, chunk_size: int, seq_len: int) -> Dict[st
 def evaluate_routing(model, run: TrainConfig, quality: str = "mqar", budgets: Sequence[float] = (0.05, 0.1, 0.2),
                      thresholds: Sequence[float] = (), chunk_size: Optional[int] = None, num_samples: int = 512, batch_size: int = 64, seed: int = 0,
                      num_pairs: Optional[int] = None, num_queries: Optional[int] = None,
-                     num_batches: int = 8) -> dict:
+                     query_spans: Optional[int] = None, num_batches: int = 8) -> dict:
     """One row per schedule: label, kind (all / oracle / router / random / first / last), budget and
     threshold (the router schedule's a row is matched to; the other is None), attention_fraction, and the quality (mqar: accuracy,
     token_accuracy; ppl: loss) with its standard error ``se``."""
@@ -59,7 +59,7 @@ def evaluate_routing(model, run: TrainConfig, quality: str = "mqar", budgets: Se
     if quality == "mqar":
         sample, oracle, _ = build_task("mqar", run, num_samples, seq_len, seed, "random",
                                        num_pairs or run.data.mqar_num_pairs, num_queries or run.data.mqar_num_queries,
-                                       1, 1, 1)
+                                       1, 1, 1, query_spans)
         vocab = dataset_vocab(run)[0]
 
         def measure(schedule) -> dict:
