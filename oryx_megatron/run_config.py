@@ -111,7 +111,7 @@ class RouterConfig:
     each chunk's mode (straight-through, a budget term; train.py); ``none``: ordinary pretraining."""
 
     mode: str = "none"  # "none" | "posthoc" | "joint"
-    init_from: Optional[str] = None  # posthoc: the trained model (a checkpoint or a run's checkpoint.dir)
+    init_from: Optional[str] = None  # the trained model (a checkpoint or a run's checkpoint.dir); joint: optional
     objective: str = "classification"  # "classification" (targets at benefit_threshold) | "regression"
     benefit_threshold: float = 0.0  # nats: a chunk's target is attention where reading it lowers its mean loss more
     temperature: float = 0.1  # regression: the router's logit is fitted to (benefit - benefit_threshold) / temperature

@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from oryx_megatron.config import Mode
-from oryx_megatron.data.modes import LinearThenAttention, ModeSchedule
+from oryx_megatron.data.modes import LinearThenAttention, ModeSchedule, SampleModes
 from oryx_megatron.data.tasks import check_int, key_value_ranges, next_token_sample
 
 
@@ -193,23 +193,8 @@ def solve_mqar(sample: Dict[str, np.ndarray]) -> np.ndarray:
 def mixed_mode_schedule(cfg: MQARConfig, sample: Dict[str, np.ndarray]) -> ModeSchedule:
     """The oracle of ``sample``: linear on the context and filler, attention on the query spans of inputs.
     Queries last: the paper's mixed mode, the last 2 Q - 1 tokens (the last answer is a label only);
-    scattered: each sample's spans (``QuerySpans``)."""
+    scattered: each sample's spans."""
     if cfg.query_spans is None:
         return LinearThenAttention(n_last=2 * cfg.num_queries - 1)
-    return QuerySpans(sample["query_span_mask"])
-
-
-class QuerySpans(ModeSchedule):
-    """Attention on each sample's query spans (``query_span_mask`` [n, seq_len]), linear elsewhere: sample
-    index i reads row i (a schedule of these samples only)."""
-
-    name = "query_spans"
-
-    def __init__(self, query_span_mask: np.ndarray):
-        self.modes = np.where(query_span_mask, Mode.ATTENTION, Mode.LINEAR).astype(np.int8)
-
-    def sample_modes(self, seq_len, sample_index=0, seed=0):
-        return self.modes[sample_index, :seq_len]
-
-    def __str__(self):
-        return "query_spans (attention on each sample's query spans)"
+    modes = np.where(sample["query_span_mask"], Mode.ATTENTION, Mode.LINEAR)
+    return SampleModes(modes, "query_spans (attention on each sample's query spans)")
