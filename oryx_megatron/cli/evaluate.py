@@ -5,8 +5,12 @@
     oryx-eval runs/ckpt --task mqar         # retrieval accuracy: attention / linear / mixed
     oryx-eval runs/ckpt --task mqar --query-spans 3   # the queries in 3 spans at random positions
     oryx-eval runs/ckpt --task niah
+    oryx-eval runs/ckpt --task mqar --router "threshold=0.5"            # + the row 'router threshold=0.5'
+    oryx-eval runs/ckpt --task ppl --router "budget=0.1 chunk_size=16"  # + the row 'router budget=0.1 ...'
 
-Each task prints a table and writes <out>/<task>.json (see docs/inference.md).
+Each task prints a table and writes <out>/<task>.json (see docs/inference.md). ``--router SPEC`` adds the
+model's router under ``router SPEC``: ``router threshold=P`` (``--router threshold=0.5``) or
+``router budget=B [chunk_size=N]`` (``--router "budget=0.1 chunk_size=16"``); docs/routing.md.
 """
 
 import argparse
@@ -41,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = command_parser("oryx-eval", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--task", required=True, choices=TASKS)
-    parser.add_argument("--router", metavar="SPEC", help="also evaluate the model's router: 'budget=0.1' or "
-                                                         "'threshold=0.5' (a row, or a curve of mode_switch)")
+    parser.add_argument("--router", metavar="SPEC", help="also evaluate the model's router (a row, or a curve of "
+                        "mode_switch) under the router schedule 'router threshold=P' (e.g. --router 'threshold=0.5') "
+                        "or 'router budget=B [chunk_size=N]' (e.g. --router 'budget=0.1'; docs/routing.md)")
     parser.add_argument("--out", default="eval", help="output directory (default ./eval)")
     parser.add_argument("--wandb", choices=("disabled", "offline", "online"), default="disabled",
                         help="also log the result to W&B (project oryx-megatron, job type eval)")
