@@ -86,12 +86,14 @@ def test_posthoc_training_changes_the_router_only_and_calibrates_it(posthoc, tin
 
 
 def test_oryx_generate_runs_a_router_budget_schedule(posthoc):
+    """Threshold 0 under the budget: every chunk wants attention, the quota alone decides (a 12-step router's
+    own p may stay below 0.5 on this prompt, where a budget alone reads nothing)."""
     _, tmp = posthoc
     out = subprocess.run([sys.executable, "-m", "oryx_megatron.cli.generate", str(tmp / "ckpt"), "--prompt",
-                          "def main(" * 3, "--max-new-tokens", "36", "--schedule", "router budget=0.25"],
+                          "def main(" * 3, "--max-new-tokens", "36", "--schedule", "router budget=0.25 threshold=0"],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "schedule: router budget=0.25" in out.stdout
+    assert "schedule: router threshold=0.0 budget=0.25" in out.stdout
     fraction = float(next(line for line in out.stdout.splitlines() if line.startswith("attention-token fraction"))
                      .split()[-1])
     assert 0 < fraction <= 0.25 + CHUNK / (27 + 35)  # some chunk reads attention; the budget + one chunk of 62
