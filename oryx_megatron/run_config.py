@@ -34,6 +34,8 @@ class DataConfig:
     mqar_num_queries: Optional[int] = None  # mqar: queries (answers) per sample; None: mqar_num_pairs
     mqar_vocab_size: Optional[int] = None  # mqar: ids drawn from [0, this); None: model.vocab_size
     mqar_filler_id: Optional[int] = None  # mqar: the token between context and queries (not a key id); None: noise
+    mqar_query_spans: Optional[int] = None  # mqar: None: the queries last; S: scattered in S spans (data/tasks/mqar.py)
+    mqar_context_segments: Optional[int] = None  # mqar, scattered: segments of the pairs (None: mqar_query_spans)
 
 
 @dataclass
@@ -111,7 +113,7 @@ class RouterConfig:
     each chunk's mode (straight-through, a budget term; train.py); ``none``: ordinary pretraining."""
 
     mode: str = "none"  # "none" | "posthoc" | "joint"
-    init_from: Optional[str] = None  # posthoc: the trained model (a checkpoint or a run's checkpoint.dir)
+    init_from: Optional[str] = None  # the trained model (a checkpoint or a run's checkpoint.dir); joint: optional
     objective: str = "classification"  # "classification" (targets at benefit_threshold) | "regression"
     benefit_threshold: float = 0.0  # nats: a chunk's target is attention where reading it lowers its mean loss more
     temperature: float = 0.1  # regression: the router's logit is fitted to (benefit - benefit_threshold) / temperature
@@ -239,7 +241,8 @@ def mqar_task(run: TrainConfig, seed: int = 0) -> MQARConfig:
     model.vocab_size); raises ValueError on sizes that do not fit."""
     d = run.data
     return MQARConfig(d.mqar_vocab_size or run.model.vocab_size, d.seq_length, d.mqar_num_pairs, d.mqar_num_queries,
-                      seed=seed, filler_id=d.mqar_filler_id)
+                      seed=seed, filler_id=d.mqar_filler_id, query_spans=d.mqar_query_spans,
+                      context_segments=d.mqar_context_segments)
 
 
 def _check_router(run: TrainConfig) -> None:

@@ -6,6 +6,7 @@ oryx-prep), tests/test_hf_checkpoints.py (oryx-export, oryx-import), tests/test_
 (oryx-experiment); here, what the error path adds."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,3 +112,11 @@ def test_train_ends_an_error_inside_pretrain_as_one_line(corpus, tiny_checkpoint
                                  f"with false"])
     code, lines = train(tmp_path, *run, "--debug")
     assert code == 1 and "Traceback (most recent call last)" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("script", ["oryx_megatron.cli.generate", "oryx_megatron.cli.evaluate"])
+def test_help_names_the_router_schedules_with_an_example_each(script):
+    out = subprocess.run([sys.executable, "-m", script, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    assert "router threshold=P" in out.stdout and "router budget=B [chunk_size=N]" in out.stdout
+    assert re.search(r"threshold=0\.5", out.stdout) and re.search(r"budget=0\.1", out.stdout)

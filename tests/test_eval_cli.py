@@ -107,6 +107,13 @@ def test_retrieval(checkpoint, tmp_path, task):
         assert result["haystack"] == "heldout"
 
 
+def test_mqar_with_scattered_queries(checkpoint, tmp_path):
+    result = run_eval(checkpoint, tmp_path, "mqar", "--num-pairs", "4", "--query-spans", "2")
+    rows = {row["schedule"]: row for row in result["rows"]}
+    assert result["query_spans"] == 2 and result["mixed_schedule"].startswith("query_spans")
+    assert rows["mixed"]["attention_fraction"] == 2 * 3 / 64  # each sample's 2 spans of 2 queries: k v k
+
+
 def test_cli_subprocesses(checkpoint, tmp_path):
     """Both console scripts, run side by side."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -21,6 +21,8 @@ from oryx_megatron.experiments.config import load_experiment
 from oryx_megatron.experiments.runs import choose_lr, overrides
 from oryx_megatron.experiments.tables import markdown_table, pivot_table, summarize, sweep_table
 
+ROUTING = {"all_linear", "all_attention", "oracle", *(f"{kind}@{tag}" for kind in ("router", "random", "first", "last",
+                                                                                  "entropy") for tag in ("0.1", "p0.5"))}
 RETRIEVAL = ({"all_attention", "all_linear", "mixed"}, ["accuracy", "token_accuracy", "attention_fraction"],
              "accuracy.png")
 EXPERIMENTS = {  # name: (row labels of one model, metrics, plot)
@@ -34,11 +36,11 @@ EXPERIMENTS = {  # name: (row labels of one model, metrics, plot)
                         ["loss", "attention_fraction"], "loss.png"),
     "a2_sequence_mixing": RETRIEVAL,
     "niah": RETRIEVAL,
-    "routing_small": ({"all_linear", "all_attention", "oracle", *(f"{k}@{tag}" for k in ("router", "random", "first", "last")
-                                                                    for tag in ("0.1", "p0.5"))},
-                      ["accuracy", "attention_fraction", "se"], "routing.png"),
+    "routing_small": (ROUTING, ["accuracy", "attention_fraction", "se"], "routing.png"),
+    "routing_scattered": (ROUTING | {f"joint:{label}" for label in ROUTING if not label.endswith("@0.1")},
+                          ["accuracy", "attention_fraction", "se"], "routing.png"),
 }
-ON_MQAR = ("e1_retrieval", "e3_mode_switch", "a2_sequence_mixing", "routing_small")  # the others: a tokenized corpus
+ON_MQAR = ("e1_retrieval", "e3_mode_switch", "a2_sequence_mixing", "routing_small", "routing_scattered")
 REUSING = ("e3_mode_switch", "niah")  # evaluate runs of an earlier experiment (E1's, E2's)
 
 
@@ -103,8 +105,8 @@ def test_smoke_experiment_writes_tables_and_plots(corpus, smoke_out, name):
         assert len(new) == len(exp.models) * runs_per_variant_and_model(exp)
         ablated = {r["run"] for r in results["rows"] if r["variant"] == list(exp.variants)[1]}
         assert ablated <= set(new)
-    else:  # and a router fitted to every tested run
-        routers = len(exp.models) * len(exp.seeds) if exp.router is not None else 0
+    else:  # and a router fitted to every tested run, and a joint router trained on from it
+        routers = len(exp.models) * len(exp.seeds) * ((exp.router is not None) + (exp.joint is not None))
         assert len(new) == len(exp.variants) * len(exp.models) * runs_per_variant_and_model(exp) + routers
 
 

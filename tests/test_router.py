@@ -15,9 +15,10 @@ pytestmark = pytest.mark.usefixtures("single_process_parallel")
 CHUNK = 8
 
 
-def routed_model(family="oryx_tg", seed=0, dtype=torch.float64):
-    """A tiny model with a router of random (not zero) output weights, calibrated on random tokens."""
-    args = tiny_args(family, router_hidden=16, router_chunk_size=CHUNK)
+def routed_model(family="oryx_tg", seed=0, dtype=torch.float64, router_layers=1):
+    """A tiny model with a router of random (not zero) output weights, calibrated on random tokens; it reads
+    the first ``router_layers`` layers (of 2)."""
+    args = tiny_args(family, router_hidden=16, router_chunk_size=CHUNK, router_layers=router_layers)
     torch.manual_seed(seed)
     model = build_model(args, transformer_config(args, params_dtype=dtype))
     with torch.no_grad():
@@ -33,9 +34,9 @@ def tokens(args, b=2, s=40, seed=1):
     return torch.randint(0, args.vocab_size, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
-def test_a_chunks_logit_reads_only_its_first_token_and_the_tokens_before(family):
-    model, args = routed_model(family)
+@pytest.mark.parametrize("family,router_layers", [("oryx_tg", 1), ("oryx_tm", 1), ("oryx_tg", 2), ("oryx_tm", 2)])
+def test_a_chunks_logit_reads_only_its_first_token_and_the_tokens_before(family, router_layers):
+    model, args = routed_model(family, router_layers=router_layers)
     ids = tokens(args)
     with torch.no_grad():
         logits = model.route(ids, CHUNK)  # [b, 40 // 8]: chunks 0..4, starting at 0, 8, .., 32
@@ -54,10 +55,33 @@ def test_a_chunks_logit_reads_only_its_first_token_and_the_tokens_before(family)
             assert (model.route(changed, CHUNK)[:, c] - logits[:, c]).abs().min() > 1e-6, start
 
 
+@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
+def test_a_deeper_router_decodes_the_logits_of_its_parallel_all_linear_pass(family):
+    """router_layers=2: after a prefill of 11 tokens (into the router's own caches), each chunk's logit at
+    its first token (``route_step``) equals the parallel pass's over the whole sequence, the tokens between
+    advancing the all-linear pass (``advance_router``); fp64."""
+    model, args = routed_model(family, router_layers=2)
+    ids = tokens(args, 2, 40, seed=6)
+    with torch.no_grad():
+        want = model.route(ids, CHUNK)  # [2, 5]
+        cache = model.allocate_inference_cache(2, torch.float64)
+        router_cache = model.allocate_router_cache(2, torch.float64)
+        assert len(router_cache) == 2 and model.allocate_router_cache(2, torch.float64) is not None
+        prefill = model.route(ids[:, :11], CHUNK, router_cache=router_cache)
+        assert (prefill - want[:, :2]).abs().max() < 1e-9
+        for pos in range(11, 40):
+            if pos % CHUNK:
+                model.advance_router(ids[:, pos : pos + 1], router_cache)
+            else:
+                got = model.route_step(ids[:, pos : pos + 1], cache, router_cache)
+                assert (got[:, 0] - want[:, pos // CHUNK]).abs().max() < 1e-9, pos
+        assert router_cache[1].seqlen == 40 and cache[0].seqlen == 0  # the model's own caches untouched
+
+
 def test_the_budget_quota_holds_whatever_the_router_wants():
     model, _ = routed_model()
     decide = ChunkDecisions(model, RouterSchedule(budget=0.25), batch_size=3, device="cpu")
-    assert decide.threshold == float(model.router.calibration[75])  # the calibrated (1 - budget) percentile
+    assert decide.threshold == max(0.5, float(model.router.calibration[75]))  # the calibrated (1 - budget) percentile
     modes = decide(torch.full((3, 40), 10.0))  # the router wants attention everywhere
     attention = (modes == Mode.ATTENTION).long()
     chunks = torch.arange(1, 41)
@@ -67,12 +91,31 @@ def test_the_budget_quota_holds_whatever_the_router_wants():
         [Mode.ATTENTION, Mode.LINEAR]]
 
 
-@pytest.mark.parametrize("schedule", ["router threshold=0.5", "router budget=0.3", "router threshold=0.4 chunk_size=4"])
-def test_generation_decides_each_chunk_as_one_routing_pass_over_the_whole_sequence(schedule):
+def test_a_budget_never_lowers_the_threshold_below_one_half_and_saves_what_it_does_not_spend():
+    """A router that wants attention on fewer chunks than the budget (its calibrated 90th percentile near 0,
+    as one trained on rarer targets has): the budget's threshold stays 0.5, so the early chunks it does not
+    want keep the budget, and a later burst it wants spends what they saved."""
+    model, _ = routed_model()
+    model.router.calibration.copy_(torch.linspace(0, 0.02, 101, dtype=torch.float64))
+    decide = ChunkDecisions(model, RouterSchedule(budget=0.2), batch_size=1, device="cpu")
+    assert decide.threshold == 0.5
+    wants = torch.tensor([[-0.1] * 20 + [1.0] * 10])  # p = 0.48 on 20 chunks, then 0.73 on 10
+    modes = decide(wants)[0]
+    assert modes[:20].sum() == 0  # saved: the burst reads 6 in a row (0.2 x 26 + 1), then one per 5 chunks
+    assert modes[20:].tolist() == [1] * 6 + [0] * 3 + [1]
+    explicit = ChunkDecisions(model, RouterSchedule(budget=0.2, threshold=0.4), batch_size=1, device="cpu")
+    assert explicit.threshold == 0.4 and explicit(wants)[0][:20].sum() == 5  # asked otherwise: spent first-come
+
+
+@pytest.mark.parametrize("schedule,router_layers", [("router threshold=0.5", 1), ("router budget=0.3", 1),
+                                                   ("router threshold=0.4 chunk_size=4", 1),
+                                                   ("router threshold=0.5", 2), ("router threshold=0.4 chunk_size=3", 2)])
+def test_generation_decides_each_chunk_as_one_routing_pass_over_the_whole_sequence(schedule, router_layers):
     """Prefill decides the prompt's chunks from one routing pass; each later chunk is decided at its first
-    token, from the first layer's reads of it before that token's step (``route_step``). The
-    logits equal one parallel forward over prompt + output with the modes route_modes gives it."""
-    model, args = routed_model()
+    token, from the first layer's reads of it before that token's step (``route_step``; a router of two
+    layers reads the all-linear pass that generation keeps beside the model's). The logits equal one
+    parallel forward over prompt + output with the modes route_modes gives it."""
+    model, args = routed_model(router_layers=router_layers)
     prompts = [tokens(args, 1, 13, seed=2)[0].tolist(), tokens(args, 1, 21, seed=3)[0].tolist()]  # ragged
     result = generate(model, prompts, schedule, 12, output_logits=True)
     parsed = parse_schedule(schedule)
@@ -90,7 +133,7 @@ def test_generation_decides_each_chunk_as_one_routing_pass_over_the_whole_sequen
 
 
 def test_bad_router_specs_give_one_named_line():
-    with pytest.raises(ValueError, match=r"give exactly one of threshold=P or budget=FRACTION"):
+    with pytest.raises(ValueError, match=r"give threshold=P, budget=FRACTION or both"):
         parse_schedule("router")
     with pytest.raises(ValueError, match=r"budget=1.5 is not in \[0, 1\]"):
         parse_schedule("router budget=1.5")

@@ -86,12 +86,14 @@ def test_posthoc_training_changes_the_router_only_and_calibrates_it(posthoc, tin
 
 
 def test_oryx_generate_runs_a_router_budget_schedule(posthoc):
+    """Threshold 0 under the budget: every chunk wants attention, the quota alone decides (a 12-step router's
+    own p may stay below 0.5 on this prompt, where a budget alone reads nothing)."""
     _, tmp = posthoc
     out = subprocess.run([sys.executable, "-m", "oryx_megatron.cli.generate", str(tmp / "ckpt"), "--prompt",
-                          "def main(" * 3, "--max-new-tokens", "36", "--schedule", "router budget=0.25"],
+                          "def main(" * 3, "--max-new-tokens", "36", "--schedule", "router budget=0.25 threshold=0"],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "schedule: router budget=0.25" in out.stdout
+    assert "schedule: router threshold=0.0 budget=0.25" in out.stdout
     fraction = float(next(line for line in out.stdout.splitlines() if line.startswith("attention-token fraction"))
                      .split()[-1])
     assert 0 < fraction <= 0.25 + CHUNK / (27 + 35)  # some chunk reads attention; the budget + one chunk of 62
@@ -145,6 +147,39 @@ def test_joint_routing_trains_the_router_holds_the_budget_price_and_resumes_exac
     assert trained.router.fc2.weight.abs().sum() > 0 and float(trained.router.price) == prices[-1]
 
 
+def test_joint_routing_prices_every_token_and_counts_rounded_weights_as_attention():
+    """A recall task's loss covers its answers only: the price of attention (and the fraction the budget
+    holds) still counts every token. The weights a + p - p.detach() are 0/1 up to rounding."""
+    from oryx_megatron.training.steps import _loss
+
+    p = torch.full((1, 4), 0.3)
+    weights = torch.tensor([[1.0, 0.0, 1.0, 1.0]]) + p - p.detach()  # 1 + 0.3 - 0.3 != 1 in fp32
+    mask = torch.tensor([[0.0, 1.0, 0.0, 0.0]])  # one answer, reading linear
+    total, count, report = _loss(mask, weights, torch.full((1, 4), 2.0), attention_cost=0.5 * weights)
+    assert report["routed_tokens"].tolist() == [3, 4] and int(count) == 1
+    assert report["loss_sums"].tolist() == [2.0, 1.0, 0.0, 0.0]  # the LM loss's sums: the answer, linear
+    assert float(total) == pytest.approx(2.0 + 0.5 * 3)  # the price of the three attention tokens
+
+
+def test_joint_routing_from_a_trained_model_starts_from_its_weights(corpus, tiny_checkpoint, tmp_path):
+    run = run_config(corpus, tmp_path, "router=joint", f"router.init_from={tiny_checkpoint}", "model.router_hidden=8",
+                     f"model.router_chunk_size={CHUNK}", "train.train_iters=2", "optimizer.lr=1e-12", "optimizer.min_lr=1e-12",
+                     "checkpoint.save_at_end=true")
+    assert pretrain(run, str(tmp_path / "out")) == 0
+    joint, _ = load_model(str(tmp_path / "ckpt"))
+    base, _ = load_model(tiny_checkpoint)
+    weights = dict(base.named_parameters())
+    assert all(torch.allclose(param, weights[name], atol=1e-8) for name, param in joint.named_parameters()
+               if not name.startswith("router."))
+
+
+def test_the_entropy_baseline_reads_the_chunks_of_highest_score():
+    from oryx_megatron.eval.routing import top_chunks
+
+    scores = torch.tensor([[0.1, 0.9, 0.5], [0.8, 0.2, 0.3]])  # [samples, chunks of 2 tokens]
+    assert top_chunks(scores, 2 / 6, chunk_size=2, seq_len=5).tolist() == [[0, 0, 1, 1, 0], [1, 1, 0, 0, 0]]
+
+
 def test_routing_evaluation_on_held_out_loss(posthoc):
     """eval/routing.py's ppl quality: the router at a budget and the schedules reading its fraction."""
     from oryx_megatron.eval.routing import evaluate_routing
@@ -153,14 +188,15 @@ def test_routing_evaluation_on_held_out_loss(posthoc):
     model, run = load_model(str(tmp / "ckpt"))
     rows = {r["schedule"]: r for r in evaluate_routing(model, run, "ppl", budgets=[0.25], thresholds=[0.0],
                                                         num_batches=1, batch_size=2)["rows"]}
-    assert set(rows) == {"all_linear", "all_attention", "router@0.25", "random@0.25", "first@0.25", "last@0.25",
-                         "router@p0", "random@p0", "first@p0", "last@p0"}
-    for label in ("router@p0", "first@p0"):  # p >= 0 everywhere: every chunk reads attention
+    assert set(rows) == {f"{kind}@{tag}" for kind in ("router", "random", "first", "last", "entropy")
+                         for tag in ("0.25", "p0")} | {"all_linear", "all_attention"}
+    for label in ("router@p0", "first@p0", "entropy@p0"):  # p >= 0 everywhere: every chunk reads attention
         assert rows[label]["attention_fraction"] == 1 and rows[label]["loss"] == pytest.approx(rows["all_attention"]["loss"])
     assert rows["router@p0"]["threshold"] == 0.0 and rows["router@p0"]["budget"] is None
     fraction = rows["router@0.25"]["attention_fraction"]
     assert 0 < fraction <= 0.25 + CHUNK / run.data.seq_length  # a router that reads attention somewhere
     n = run.data.seq_length // CHUNK
     assert rows["first@0.25"]["attention_fraction"] == pytest.approx(round(fraction * n) / n)
+    assert rows["entropy@0.25"]["attention_fraction"] == pytest.approx(fraction, abs=0.5 / (n * 2))  # of all chunks
     assert rows["all_attention"]["attention_fraction"] == 1 and rows["all_linear"]["attention_fraction"] == 0
     assert all(r["loss"] > 0 and r["se"] >= 0 for r in rows.values())

@@ -3,12 +3,17 @@
     oryx-eval runs/ckpt --task ppl          # held-out perplexity per schedule
     oryx-eval runs/ckpt --task mode_switch  # per-position loss around a mixer switch (+ CSV, PNG)
     oryx-eval runs/ckpt --task mqar         # retrieval accuracy: attention / linear / mixed
+    oryx-eval runs/ckpt --task mqar --query-spans 3   # the queries in 3 spans at random positions
     oryx-eval runs/ckpt --task niah
+    oryx-eval runs/ckpt --task mqar --router "threshold=0.5"            # + the row 'router threshold=0.5'
+    oryx-eval runs/ckpt --task ppl --router "budget=0.1 chunk_size=16"  # + the row 'router budget=0.1 ...'
     torchrun --nproc-per-node 4 -m oryx_megatron.cli.evaluate runs/ckpt --task niah --context-parallel 4
 
-Each task prints a table and writes <out>/<task>.json (see docs/inference.md). Every task is parallel forwards
-(teacher-forced): ``--context-parallel N`` splits every sequence over N processes (long contexts; docs/training.md,
-"Context parallelism").
+Each task prints a table and writes <out>/<task>.json (see docs/inference.md). ``--router SPEC`` adds the
+model's router under ``router SPEC``: ``router threshold=P`` (``--router threshold=0.5``) or
+``router budget=B [chunk_size=N]`` (``--router "budget=0.1 chunk_size=16"``); docs/routing.md. Every task is
+parallel forwards (teacher-forced): ``--context-parallel N`` splits every sequence over N processes (long
+contexts; docs/training.md, "Context parallelism").
 """
 
 import argparse
@@ -44,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = command_parser("oryx-eval", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--task", required=True, choices=TASKS)
-    parser.add_argument("--router", metavar="SPEC", help="also evaluate the model's router: 'budget=0.1' or "
-                                                         "'threshold=0.5' (a row, or a curve of mode_switch)")
+    parser.add_argument("--router", metavar="SPEC", help="also evaluate the model's router (a row, or a curve of "
+                        "mode_switch) under the router schedule 'router threshold=P' (e.g. --router 'threshold=0.5') "
+                        "or 'router budget=B [chunk_size=N]' (e.g. --router 'budget=0.1'; docs/routing.md)")
     parser.add_argument("--out", default="eval", help="output directory (default ./eval)")
     parser.add_argument("--context-parallel", type=int, default=1, metavar="N",
                         help="split every sequence over N processes (launch N with torchrun)")
@@ -70,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "data.mqar_num_pairs, 8)")
     retrieval.add_argument("--num-queries", type=int, help="mqar: pairs asked (default all, or the "
                                                             "checkpoint's data.mqar_num_queries)")
+    retrieval.add_argument("--query-spans", type=int, help="mqar: 0 asks the queries last (today's MQAR); S "
+                           "scatters them in S spans at random positions between the context segments and the filler "
+                           "(default the checkpoint's data.mqar_query_spans, else 0)")
+    retrieval.add_argument("--context-segments", type=int, help="mqar, scattered: segments of the pairs (default "
+                                                                 "the checkpoint's, else --query-spans)")
     retrieval.add_argument("--num-needles", type=int, default=1, help="niah: needles (> 1: multi-key)")
     retrieval.add_argument("--key-len", type=int, default=2, help="niah: tokens per key")
     retrieval.add_argument("--value-len", type=int, default=4, help="niah: tokens per value (the answer)")
@@ -87,7 +98,7 @@ def run_task(model, run, args: argparse.Namespace, out: Path) -> dict:
                                     args.tolerance, args.answers_only, router)
     return evaluate_retrieval(model, run, args.task, args.num_samples, args.seq_len, args.batch_size, args.seed,
                               args.haystack, args.num_pairs, args.num_queries, args.num_needles, args.key_len,
-                              args.value_len, router)
+                              args.value_len, router, args.query_spans, args.context_segments)
 
 
 def _main(argv: List[str]) -> int:

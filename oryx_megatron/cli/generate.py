@@ -2,6 +2,12 @@
 
     oryx-generate runs/ckpt --prompt "def main(" --schedule "prefill=linear decode=attention" \\
         --max-new-tokens 64 --temperature 0.8 --top-p 0.95 --stop $'\\n\\n'
+    oryx-generate runs/ckpt --prompt "def main(" --schedule "router threshold=0.5"   # the model's router decides
+    oryx-generate runs/ckpt --prompt "def main(" --schedule "router budget=0.1 chunk_size=16"
+
+Router schedules (a checkpoint with a router, docs/routing.md): ``router threshold=P`` reads attention on
+the chunks whose router probability reaches P; ``router budget=B [chunk_size=N]`` on at most a fraction B
+of the tokens (the router's calibrated threshold, at least 0.5, under a causal quota), deciding per N tokens.
 
 Prints each prompt with its continuation, then the stats of the run: tokens fed in each mode,
 attention-token fraction, prefill and decode tokens/s, cache memory (KV vs recurrent state).
@@ -91,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", type=schedule_arg, default=ALL_ATTENTION,
                         help="a mode schedule by name and fields, as in configs ('all_attention', 'all_linear', "
                              "'linear_then_attention n_last=16', 'switch_at t=64 before=linear after=attention', "
-                             "...), 'prefill=MODE decode=MODE', or spans 'MODE:START-END,...,MODE:START-' "
-                             "(default all_attention; see docs/inference.md)"),
+                             "...), 'prefill=MODE decode=MODE', spans 'MODE:START-END,...,MODE:START-', or the "
+                             "model's router: 'router threshold=P' (e.g. 'router threshold=0.5') or 'router "
+                             "budget=B [chunk_size=N]' (e.g. 'router budget=0.1') (default all_attention; see "
+                             "docs/inference.md, docs/routing.md)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0: off")

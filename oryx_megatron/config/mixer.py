@@ -101,6 +101,10 @@ class MixerConfig:
     router_chunk_size: int = 128
     """Tokens per router decision (the training mode chunk by default; a schedule may choose another)."""
 
+    router_layers: int = 1
+    """Layers whose two reads the router reads, from the first (mixer/router.py): 1, the first layer's, known
+    before any mode; more, those of an all-linear pass (generation keeps its caches beside the model's)."""
+
     def __post_init__(self):
         self.check_mixer_fields()
 
@@ -118,7 +122,7 @@ class MixerConfig:
         if sum(m != ATTENTION for m in mixers) > 1:
             raise MixerConfigError("mixers", f"mixers={self.mixers!r}: at most one linear mixer per layer")
         for name in ("hidden_size", "num_attention_heads", "kv_channels", "value_head_dim", "mixer_conv_kernel",
-                     "linear_chunk_size", "router_chunk_size"):
+                     "linear_chunk_size", "router_chunk_size", "router_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise MixerConfigError(name, f"{name}={getattr(self, name)!r} must be a positive integer")
         choices = {"mixer_conv_activation": CONV_ACTIVATIONS, "kv_gate": KV_GATES}

@@ -57,6 +57,9 @@ class ModelArgs(MixerConfig):
                                              f"{preset!r}; other mixers are family 'oryx'")
         self.mixers = self.mixers or preset
         MixerConfig(**self.mixer_fields())
+        if self.router_layers > self.num_layers:
+            raise MixerConfigError("router_layers", f"model.router_layers={self.router_layers} exceeds "
+                                                    f"num_layers={self.num_layers}")
 
     @property
     def is_transformer(self) -> bool:

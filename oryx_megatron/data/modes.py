@@ -149,6 +149,25 @@ class Explicit(ModeSchedule):
         return np.repeat(np.array(self.chunk_modes, np.int8), self.chunk_size)[:seq_len]
 
 
+class SampleModes(ModeSchedule):
+    """Given modes of given samples: sample index i reads row i of ``modes`` [n, seq_len] (seed unused). Not a
+    named schedule: it holds the modes of one set of samples (an eval's oracle, a baseline computed per sample);
+    ``label`` is its text form."""
+
+    name = "sample_modes"
+
+    def __init__(self, modes: np.ndarray, label: str):
+        self.modes, self.label = np.asarray(modes, np.int8), label
+
+    def sample_modes(self, seq_len, sample_index=0, seed=0):
+        if seq_len > self.modes.shape[1]:
+            raise ValueError(f"{self.label}: modes of {self.modes.shape[1]} positions, asked for {seq_len}")
+        return self.modes[sample_index, :seq_len]
+
+    def __str__(self):
+        return self.label
+
+
 SCHEDULES = {cls.name: cls for cls in (RandomChunks, AllAttention, AllLinear, SwitchAt, LinearThenAttention, Explicit)}
 
 # Lower-case constructors, as the schedules are named in configs and docs.

@@ -24,7 +24,8 @@ class MQARLoader(RankBatches):
     """Endless micro-batches of MQAR samples for data-parallel rank ``dp_rank`` of ``dp_size``."""
 
     def __init__(self, *, seq_len: int, micro_batch_size: int, vocab_size: int, num_pairs: int,
-                 num_queries: Optional[int] = None, filler_id: Optional[int] = None, seed: int = 1234,
+                 num_queries: Optional[int] = None, filler_id: Optional[int] = None,
+                 query_spans: Optional[int] = None, context_segments: Optional[int] = None, seed: int = 1234,
                  dp_rank: int = 0, dp_size: int = 1, mode_schedule=None, split: str = "train",
                  reset_at_eod: bool = False):
         super().__init__(seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed, dp_rank=dp_rank,
@@ -32,7 +33,8 @@ class MQARLoader(RankBatches):
         if split not in SPLIT_TAGS:
             raise ValueError(f"split must be one of {tuple(SPLIT_TAGS)}, got {split!r}")
         self.split, self.vocab_size = split, vocab_size
-        self.task = MQARConfig(vocab_size, seq_len, num_pairs, num_queries, filler_id=filler_id)  # validates once
+        self.task = MQARConfig(vocab_size, seq_len, num_pairs, num_queries, filler_id=filler_id,  # validates once
+                               query_spans=query_spans, context_segments=context_segments)
 
     def sample(self, index: int) -> Dict[str, np.ndarray]:
         """The MQAR sample (``generate_mqar``'s dict, n = 1) of global index ``index``."""
@@ -56,7 +58,12 @@ class MQARLoader(RankBatches):
     def _identity(self) -> dict:
         return {"seq_len": self.seq_len, "seed": self.seed, "split": self.split, "vocab_size": self.vocab_size,
                 "num_pairs": self.task.num_pairs, "num_queries": self.task.num_queries,
-                "filler_id": self.task.filler_id}
+                "filler_id": self.task.filler_id, **self._layout()}
+
+    def _layout(self) -> dict:
+        """The scattered layout's fields (none for the queries last: the states saved before it stay valid)."""
+        t = self.task
+        return {} if t.query_spans is None else {"query_spans": t.query_spans, "context_segments": t.context_segments}
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, **self._identity()}

@@ -72,10 +72,19 @@ def heldout_haystack(run: TrainConfig, tokens: int, eod_id: int) -> np.ndarray:
     return stream[stream != eod_id]
 
 
+def mqar_layout(run: TrainConfig, query_spans: Optional[int], context_segments: Optional[int]):
+    """(query spans, context segments) of MQAR's layout: ``query_spans`` None, the checkpoint's (an MQAR-trained
+    one's data.mqar_query_spans, data.mqar_context_segments); 0, the queries last (None, None); S, scattered."""
+    if query_spans is None and run.data.format == "mqar":
+        return run.data.mqar_query_spans, context_segments or run.data.mqar_context_segments
+    return (query_spans or None), (context_segments if query_spans else None)
+
+
 def build_task(task: str, run: TrainConfig, num_samples: int, seq_len: int, seed: int, haystack: str,
-               num_pairs: int, num_queries: Optional[int], num_needles: int, key_len: int, value_len: int):
+               num_pairs: int, num_queries: Optional[int], num_needles: int, key_len: int, value_len: int,
+               query_spans: Optional[int] = None, context_segments: Optional[int] = None):
     """(samples, mixed schedule, haystack source) of ``task`` for the checkpoint's vocab (an
-    MQAR-trained checkpoint: its training distribution)."""
+    MQAR-trained checkpoint: its training distribution); MQAR's layout: ``mqar_layout``."""
     if task not in TASKS:
         raise ValueError(f"unknown retrieval task {task!r}; choose one of {', '.join(TASKS)}")
     vocab_size, eod_id = dataset_vocab(run)
@@ -85,8 +94,11 @@ def build_task(task: str, run: TrainConfig, num_samples: int, seq_len: int, seed
     ids = (0, vocab_size) if eod_id is None else id_range(vocab_size, eod_id)
     if task == "mqar":
         filler = run.data.mqar_filler_id if run.data.format == "mqar" else None  # the training filler
-        cfg = mqar.MQARConfig(vocab_size, seq_len, num_pairs, num_queries, seed=seed, id_range=ids, filler_id=filler)
-        return mqar.generate_mqar(cfg, num_samples), mqar.mixed_mode_schedule(cfg), None
+        query_spans, context_segments = mqar_layout(run, query_spans, context_segments)
+        cfg = mqar.MQARConfig(vocab_size, seq_len, num_pairs, num_queries, seed=seed, id_range=ids, filler_id=filler,
+                              query_spans=query_spans, context_segments=context_segments)
+        sample = mqar.generate_mqar(cfg, num_samples)
+        return sample, mqar.mixed_mode_schedule(cfg, sample), None
     cfg = niah.NIAHConfig(vocab_size, seq_len, num_needles, key_len, value_len, marker_id=eod_id, id_range=ids,
                           seed=seed)
     stream, source = None, "random"
@@ -102,15 +114,16 @@ def build_task(task: str, run: TrainConfig, num_samples: int, seq_len: int, seed
 def evaluate_retrieval(model, run: TrainConfig, task: str, num_samples: int = 64, seq_len: Optional[int] = None,
                        batch_size: int = 8, seed: int = 0, haystack: str = "heldout",
                        num_pairs: Optional[int] = None, num_queries: Optional[int] = None, num_needles: int = 1,
-                       key_len: int = 2, value_len: int = 4, router: Optional[RouterSchedule] = None) -> dict:
+                       key_len: int = 2, value_len: int = 4, router: Optional[RouterSchedule] = None,
+                       query_spans: Optional[int] = None, context_segments: Optional[int] = None) -> dict:
     """Accuracy of ``task`` ("mqar" or "niah") under all_attention, all_linear and mixed mode
-    (one row each); ``seq_len``, ``num_pairs`` and ``num_queries`` default to the checkpoint's
-    data.seq_length, data.mqar_num_pairs and data.mqar_num_queries."""
+    (one row each); ``seq_len``, ``num_pairs``, ``num_queries`` and MQAR's layout (``query_spans``,
+    ``context_segments``: ``build_task``) default to the checkpoint's data.seq_length, data.mqar_*."""
     seq_len = seq_len or run.data.seq_length
     num_pairs = num_pairs or run.data.mqar_num_pairs
     num_queries = num_queries or run.data.mqar_num_queries
     sample, mixed, source = build_task(task, run, num_samples, seq_len, seed, haystack, num_pairs, num_queries,
-                                       num_needles, key_len, value_len)
+                                       num_needles, key_len, value_len, query_spans, context_segments)
     vocab_size = dataset_vocab(run)[0]
     schedules = {"all_attention": all_attention(), "all_linear": all_linear(), "mixed": mixed,
                  **({str(router): router} if router else {})}
@@ -119,7 +132,8 @@ def evaluate_retrieval(model, run: TrainConfig, task: str, num_samples: int = 64
     result = dict(task=task, num_samples=num_samples, seq_len=seq_len, seed=seed,
                   mixed_schedule=str(mixed), rows=rows)
     if task == "mqar":
-        result.update(num_pairs=num_pairs, num_queries=num_queries or num_pairs)
+        result.update(num_pairs=num_pairs, num_queries=num_queries or num_pairs,
+                      query_spans=mqar_layout(run, query_spans, context_segments)[0])
     else:
         result.update(num_needles=num_needles, key_len=key_len, value_len=value_len, haystack=source)
     return result

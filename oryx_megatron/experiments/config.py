@@ -23,7 +23,7 @@ EVALS = {  # task -> the function its `eval` arguments go to (after model, run[,
     "niah": evaluate_retrieval,
     "routing": evaluate_routing,  # a router per tested run (the experiment's `router` section)
 }
-SMOKE_KEYS = ("train", "eval", "seeds", "lrs", "validation", "router")  # what a smoke section may replace or extend
+SMOKE_KEYS = ("train", "eval", "seeds", "lrs", "validation", "router", "joint")  # what a smoke section may change
 
 
 @dataclass
@@ -55,6 +55,10 @@ class Experiment:
     # oryx-train config (nested) of a post-hoc router fitted to every tested run (router=posthoc,
     # init_from: that run's checkpoint); the evaluation then reads the model with its router
     router: Optional[Dict[str, Any]] = None
+    # oryx-train config of a joint router trained on from every tested run (router=joint, init_from: that run's
+    # checkpoint: the model trains on with the router choosing its modes); evaluated at eval's thresholds, its
+    # rows prefixed "joint:"
+    joint: Optional[Dict[str, Any]] = None
     smoke: Dict[str, Any] = field(default_factory=dict)  # SMOKE_KEYS: merged in (train, eval) or replaced by --smoke
 
 
@@ -97,8 +101,10 @@ def apply_smoke(exp: Experiment, name: str) -> None:
     exp.seeds = list(exp.smoke.get("seeds", exp.seeds))
     exp.lrs = list(exp.smoke.get("lrs", exp.lrs))
     exp.validation = dataclasses.replace(exp.validation, **exp.smoke.get("validation", {}))
-    if exp.router is not None:
-        exp.router = OmegaConf.to_container(OmegaConf.merge(exp.router, exp.smoke.get("router", {})))
+    for section in ("router", "joint"):
+        if getattr(exp, section) is not None:
+            merged = OmegaConf.merge(getattr(exp, section), exp.smoke.get(section, {}))
+            setattr(exp, section, OmegaConf.to_container(merged))
 
 
 def check_fairness(exp: Experiment, name: str) -> None:

@@ -51,16 +51,22 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
                 config = config + lr_overrides(lr)
             for seed in exp.seeds:
                 net, run, name = train_and_load(model, seed, config, out)
+                lr, trained = run.optimizer.lr, [f"router.init_from={out / 'runs' / name / 'checkpoints'}"]
+                tested = [(net, run, name, "")]
                 if exp.router is not None:  # its router, fitted to the frozen run
-                    fitted = ["router=posthoc", f"router.init_from={out / 'runs' / name / 'checkpoints'}"]
-                    net, run, name = train_and_load(model, seed, config + fitted + overrides(exp.router), out)
-                logger.info("testing %s", name)
-                eval_dir = exp_dir / "evals" / name
-                eval_dir.mkdir(parents=True, exist_ok=True)
-                result = evaluate(exp, net, run, eval_dir)
-                params = sum(p.numel() for p in net.parameters())
-                rows += [dict(variant=variant, model=model, seed=seed, run=name, params=params,
-                              lr=run.optimizer.lr, **row) for row in result["rows"]]
+                    tested = [train_and_load(model, seed, config + ["router=posthoc"] + trained
+                                             + overrides(exp.router), out) + ("",)]
+                if exp.joint is not None:  # the run trained on with a joint router
+                    tested.append(train_and_load(model, seed, config + ["router=joint"] + trained
+                                                 + overrides(exp.joint), out) + ("joint:",))
+                for net, run, name, prefix in tested:
+                    logger.info("testing %s", name)
+                    eval_dir = exp_dir / "evals" / name
+                    eval_dir.mkdir(parents=True, exist_ok=True)
+                    result = evaluate(exp, net, run, eval_dir, joint=bool(prefix))
+                    params = sum(p.numel() for p in net.parameters())
+                    rows += [dict(variant=variant, model=model, seed=seed, run=name, params=params, lr=lr,
+                                  **prefixed(row, prefix)) for row in result["rows"]]  # lr: the tested run's
     summary = summarize(rows, exp.metrics)
     results = dict(experiment=exp.name, claim=exp.claim, seeds=exp.seeds, train=run_overrides(exp) + extra,
                    variants={k: overrides(v or {}) for k, v in exp.variants.items()}, eval=exp.eval,
@@ -83,9 +89,20 @@ def results_markdown(exp: Experiment, summary: List[dict], sweeps: List[dict]) -
     return text
 
 
-def evaluate(exp: Experiment, model, run: TrainConfig, out: Path) -> dict:
-    """The experiment's eval task on one trained model; mode_switch writes its CSV to ``out``."""
+def prefixed(row: dict, prefix: str) -> dict:
+    """A joint router's row: its label prefixed, its router rows of kind "joint", its others "joint:<kind>"."""
+    if not prefix:
+        return row
+    kind = "joint" if row["kind"] == "router" else prefix + row["kind"]
+    return dict(row, schedule=prefix + row["schedule"], kind=kind)
+
+
+def evaluate(exp: Experiment, model, run: TrainConfig, out: Path, joint: bool = False) -> dict:
+    """The experiment's eval task on one trained model; mode_switch writes its CSV to ``out``. A joint router
+    (no calibration: no budgets) is read at the eval's thresholds."""
     task, kwargs = exp.eval["task"], eval_arguments(exp)
+    if joint:
+        kwargs["budgets"] = []
     if task == "mode_switch":
         kwargs["out"] = out
     if task in ("mqar", "niah"):

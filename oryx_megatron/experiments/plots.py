@@ -41,14 +41,15 @@ def plot_bars(exp: Experiment, summary: List[dict], exp_dir: Path) -> Path:
     return path
 
 
-# one colour per kind of schedule in every routing plot (tab10's first six)
-KIND_COLORS = dict(zip(("all", "oracle", "router", "random", "first", "last"), (f"C{i}" for i in range(6))))
+# one colour per kind of schedule in every routing plot (tab10's first eight)
+KIND_COLORS = dict(zip(("all", "oracle", "router", "random", "first", "last", "entropy", "joint"),
+                       (f"C{i}" for i in range(8))))
 
 
 def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
     """The first metric against the attention fraction (means over seeds): a line per kind of
-    schedule (router, random, first, last chunks), points for all_linear, all_attention and the
-    oracle; a panel per (variant, model)."""
+    schedule (router, random, first, last chunks, entropy, the joint router), points for all_linear,
+    all_attention and the oracle; a panel per (variant, model)."""
     from matplotlib.figure import Figure
 
     metric = exp.metrics[0]
@@ -57,12 +58,12 @@ def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
     axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
     for ax, (variant, model) in zip(axes, panels):
         mine = [r for r in rows if (r["variant"], r["model"]) == (variant, model)]
-        for kind in dict.fromkeys(r["kind"] for r in mine):
+        for kind in [k for k in dict.fromkeys(r["kind"] for r in mine) if k in KIND_COLORS]:  # not joint:<kind>
             labels = list(dict.fromkeys(r["schedule"] for r in mine if r["kind"] == kind))
             points = sorted((np.mean([r["attention_fraction"] for r in mine if r["schedule"] == label]),
                              np.mean([r[metric] for r in mine if r["schedule"] == label])) for label in labels)
             x, y = np.array(points).T
-            style = "o-" if kind in ("router", "random", "first", "last") else "s"
+            style = "s" if kind in ("all", "oracle") else "o-"
             ax.plot(x, y, style, color=KIND_COLORS[kind], markersize=5,
                     label=kind if kind != "all" else "all_linear / all_attention")
         ax.set(xlabel="attention fraction (tokens)", title=model if len(exp.variants) == 1 else f"{model} ({variant})")

@@ -251,8 +251,9 @@ def generate(
     with eval_mode(model):
         decisions = ChunkDecisions(model, batch.schedule, b, device) if routed else None
         cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache)
+        router_cache = model.allocate_router_cache(b, dtype, device, capacity=batch.capacity) if routed else None
         prefill_seconds, decode_seconds, step = _decode(model, batch, sequences, cache, graphs, reset_at_eod,
-                                                        decisions, prefill_chunk)
+                                                        decisions, prefill_chunk, router_cache)
 
     counts = {m.name.lower(): int(n) for m, n in zip(Mode, sequences.fed)}
     stats = GenerationStats(
@@ -270,16 +271,17 @@ def generate(
 
 
 def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs: bool, eod_id: Optional[int],
-            decisions: Optional[ChunkDecisions], prefill_chunk: Optional[int]):
+            decisions: Optional[ChunkDecisions], prefill_chunk: Optional[int], router_cache=None):
     """Prefill, then one-token steps until every sequence is done: (prefill seconds, decode seconds, the
     decode step: its graph capture's seconds and error, if any).
     With ``decisions`` (a router schedule) the chunks up to the prefill's end are decided from one routing
-    pass over the prefill, each later one at its first position, from that token (``OryxModel.route_step``)."""
+    pass over the prefill, each later one at its first position, from that token (``OryxModel.route_step``);
+    a router of more than one layer reads the all-linear pass of ``router_cache``, which every token advances."""
     device, t0 = batch.tokens.device, batch.prefill_len
     start = time.perf_counter()
     prompt = batch.tokens[:, :t0]
     if decisions is not None:
-        logits = model.route(prompt, decisions.chunk_size, prompt_documents(prompt, eod_id))  # [b, chunks]
+        logits = model.route(prompt, decisions.chunk_size, prompt_documents(prompt, eod_id), router_cache)  # [b, chunks]
         batch.set_chunk_modes(0, decisions(logits), decisions.chunk_size)
     logits = _prefill(model, batch, cache, eod_id, prefill_chunk or t0)  # [b, V]
     sequences.count_fed(0, t0)
@@ -290,10 +292,13 @@ def _decode(model, batch: RaggedBatch, sequences: _Sequences, cache, cuda_graphs
         sequences.emit(pos, logits)
         if not any(sequences.live()):
             break
-        reset_documents(cache, batch.tokens[:, pos - 1], eod_id)
+        reset_documents(cache + (router_cache or []), batch.tokens[:, pos - 1], eod_id)
+        token = batch.tokens[:, pos : pos + 1]
         if decisions is not None and pos % decisions.chunk_size == 0 and pos // decisions.chunk_size == decisions.decided:
-            chunk_logits = model.route_step(batch.tokens[:, pos : pos + 1], cache)  # [b, 1]: from the chunk's first token
+            chunk_logits = model.route_step(token, cache, router_cache)  # [b, 1]: from the chunk's first token
             batch.set_chunk_modes(decisions.decided, decisions(chunk_logits), decisions.chunk_size)
+        elif router_cache is not None:
+            model.advance_router(token, router_cache)
         logits = step(batch.tokens[:, pos : pos + 1], batch.mode_arg(pos, pos + 1))
         sequences.count_fed(pos, pos + 1)
         pos += 1

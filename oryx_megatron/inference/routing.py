@@ -16,6 +16,8 @@ from torch import Tensor
 from oryx_megatron.config import Mode
 from oryx_megatron.inference.schedules import RouterSchedule
 
+BUDGET_THRESHOLD_FLOOR = 0.5  # a budget's threshold is never below p = 0.5 (docs/routing.md, issue #32)
+
 
 class ChunkDecisions:
     """The decisions of a RouterSchedule for a batch, chunk after chunk (see RouterSchedule)."""
@@ -26,7 +28,9 @@ class ChunkDecisions:
                              "this one has none")
         router = model.router
         self.chunk_size = schedule.chunk_size or model.config.router_chunk_size
-        self.threshold = schedule.threshold if schedule.threshold is not None else router.budget_threshold(schedule.budget)
+        self.threshold = schedule.threshold
+        if self.threshold is None:  # a budget alone: its calibrated quantile, at least the router's own 0.5
+            self.threshold = max(BUDGET_THRESHOLD_FLOOR, router.budget_threshold(schedule.budget))
         self.budget = schedule.budget
         self.used = torch.zeros(batch_size, dtype=torch.long, device=device)  # chunks that read attention
         self.decided = 0  # chunks decided so far

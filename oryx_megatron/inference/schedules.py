@@ -18,8 +18,9 @@ forms tied to the prompt or to absolute positions:
 - ``SpanSchedule``: explicit absolute spans, ``linear:0-100,attention:100-`` (the last span
   may be open-ended);
 - ``RouterSchedule``: each chunk's mode chosen by the model's router, ``router threshold=0.5`` or
-  ``router budget=0.1`` (``chunk_size=N``: another chunk than the router's); applied by the
-  code that has the model (``generate``, ``route_modes``), chunk by chunk.
+  ``router budget=0.1`` (with ``threshold=P``: that threshold under the budget's quota; ``chunk_size=N``:
+  another chunk than the router's); applied by the code that has the model (``generate``,
+  ``route_modes``), chunk by chunk.
 
 ``parse_schedule(text)`` reads these forms; ``as_inference_schedule`` accepts all of them.
 """
@@ -36,7 +37,7 @@ from oryx_megatron.data.modes import SCHEDULES, AllAttention, AllLinear, ModeSch
 FORMS = (
     f"expected a schedule name ({', '.join(SCHEDULES)}) with its fields as FIELD=VALUE "
     "('linear_then_attention n_last=16'), 'prefill=MODE decode=MODE', spans 'MODE:START-END,...,MODE:START-', "
-    "or 'router threshold=P' / 'router budget=FRACTION'"
+    "or 'router threshold=P' / 'router budget=FRACTION' (optionally threshold=P, chunk_size=N)"
 )
 
 
@@ -132,19 +133,22 @@ class PositionSchedule(InferenceSchedule):
 
 @dataclasses.dataclass(frozen=True)
 class RouterSchedule(InferenceSchedule):
-    """Chunk c reads attention where the router's probability for it reaches the threshold: given as
-    ``threshold``, or, for a ``budget`` (a fraction of the tokens), the router's calibrated (1 - budget)
-    quantile, with a quota: no chunk reads attention once the chunks so far that did exceed budget x
-    chunks so far + 1. Decisions are made in order, each from the router's logit of that chunk alone
-    (which reads only its first token and earlier ones): causal. ``chunk_size`` None: the model's router_chunk_size."""
+    """Chunk c reads attention where the router's probability for it reaches the threshold: ``threshold``,
+    or, for a ``budget`` (a fraction of the tokens) without one, the router's calibrated (1 - budget)
+    quantile but never below 0.5 (a router that wants attention on fewer chunks than the budget reads
+    those only, rather than the first ones that come). A budget adds a quota: no chunk reads attention once
+    the chunks so far that did exceed budget x chunks so far + 1, so the budget a stretch of unwanted chunks
+    leaves unspent carries forward to later ones. Decisions are made in order, each from the router's logit
+    of that chunk alone (which reads only its first token and earlier ones): causal. ``chunk_size`` None:
+    the model's router_chunk_size."""
 
     threshold: Optional[float] = None
     budget: Optional[float] = None
     chunk_size: Optional[int] = None
 
     def __post_init__(self):
-        if (self.threshold is None) == (self.budget is None):
-            raise ValueError(f"inference schedule '{self}': give exactly one of threshold=P or budget=FRACTION")
+        if self.threshold is None and self.budget is None:
+            raise ValueError(f"inference schedule '{self}': give threshold=P, budget=FRACTION or both")
         for name in ("threshold", "budget"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 1:
@@ -209,7 +213,7 @@ def _parse_router(text: str, parts) -> RouterSchedule:
         key, _, value = part.partition("=")
         if key not in ("threshold", "budget", "chunk_size") or not value:
             raise ValueError(f"inference schedule {text!r}: cannot read {part!r}; expected 'router threshold=P', "
-                             "'router budget=FRACTION', optionally 'chunk_size=N'")
+                             "'router budget=FRACTION' (or both), optionally 'chunk_size=N'")
         try:
             fields[key] = int(value) if key == "chunk_size" else float(value)
         except ValueError:

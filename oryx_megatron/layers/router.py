@@ -1,6 +1,6 @@
-"""The chunk router (``oryx_megatron.mixer.ChunkRouter``) as a megatron model part: the features [b, n, h, 2, d_v]
-are split with their heads over the tensor-parallel ranks, so W1 is row-parallel (an all-reduce of [n, b,
-hidden])."""
+"""The chunk router (``oryx_megatron.mixer.ChunkRouter``) as a megatron model part: the features [b, n, h,
+layers, 2, d_v] are split with their heads over the tensor-parallel ranks, so W1 is row-parallel (an
+all-reduce of [n, b, hidden])."""
 
 import dataclasses
 
@@ -9,14 +9,15 @@ from torch import Tensor
 
 from oryx_megatron.layers.config import OryxConfig
 from oryx_megatron.mixer import ChunkRouter
+from oryx_megatron.mixer.router import router_features
 
 
 class ParallelChunkRouter(ChunkRouter):
-    """features [b, n, h_local, 2, d_v] -> logits [b, n]."""
+    """features [b, n, h_local, layers, 2, d_v] -> logits [b, n]."""
 
     def __init__(self, config: OryxConfig):
         fc1 = RowParallelLinear(
-            config.num_attention_heads * 2 * config.value_head_dim, config.router_hidden,
+            router_features(config), config.router_hidden,
             config=dataclasses.replace(config, sequence_parallel=False),  # chunks, not tokens
             init_method=config.init_method, bias=True, input_is_parallel=True, skip_bias_add=False,
         )

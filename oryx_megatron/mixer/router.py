@@ -7,6 +7,10 @@ read minus the linear read, and the linear read, each normed and gated as the la
     f_c     = [y_attn - y_lin, y_lin](t = c * chunk)          [h, 2, d_v], layer 1
     logit_c = w2 . gelu(W1 f_c + b1) + b2
 
+With ``router_layers`` L > 1 it reads the same two reads in each of the first L layers of an all-linear
+pass, f_c [h, L, 2, d_v] (``OryxModel.route``): a deeper layer's reads depend on the layers below, and those
+are read all-linear, whatever modes are chosen, so the logits still come before any mode.
+
 Every token of chunk c sits at or after its first token, so the model stays causal: a token's output
 depends on no later token through its mode. The first token is the one that can say a chunk needs
 attention (a query key, a name asked about), which the token before it often cannot; the price is a
@@ -29,14 +33,19 @@ from torch import Tensor, nn
 from oryx_megatron.config import MixerConfig
 
 
+def router_features(config: MixerConfig) -> int:
+    """The router's inputs per chunk: per head and routed layer, the two reads (d_v each)."""
+    return config.num_attention_heads * config.router_layers * 2 * config.value_head_dim
+
+
 class ChunkRouter(nn.Module):
-    """features [b, n, h, 2, d_v] -> logits [b, n] (chunks 0..n-1); ``fc1``: W1 (default a plain nn.Linear);
-    ``dtype``: of the parameters (None: torch's default dtype)."""
+    """features [b, n, h, layers, 2, d_v] (or [b, n, h, 2, d_v] of one layer) -> logits [b, n] (chunks
+    0..n-1); ``fc1``: W1 (default a plain nn.Linear); ``dtype``: of the parameters (None: torch's default)."""
 
     def __init__(self, config: MixerConfig, dtype: Optional[torch.dtype] = None, fc1: Optional[nn.Module] = None):
         super().__init__()
         hidden = config.router_hidden
-        features = config.num_attention_heads * 2 * config.value_head_dim
+        features = router_features(config)
         self.fc1 = nn.Linear(features, hidden, dtype=dtype) if fc1 is None else fc1
         self.fc2 = nn.Linear(hidden, 1, dtype=dtype)
         with torch.no_grad():  # every chunk starts at p = 0.5

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from oryx_megatron.layers.config import OryxConfig
 from oryx_megatron.layers.router import ParallelChunkRouter
+from oryx_megatron.config import Mode
 from oryx_megatron.mixer import MixerCache, MixerContext
 from oryx_megatron.ops import Documents
 
@@ -182,26 +183,63 @@ class OryxModel(LanguageModule):
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
 
-    def route(self, input_ids: Tensor, chunk_size: int, document_ids: Optional[Tensor] = None) -> Tensor:
+    def route(self, input_ids: Tensor, chunk_size: int, document_ids: Optional[Tensor] = None,
+              router_cache: Optional[List[MixerCache]] = None) -> Tensor:
         """The router's logits [b, ceil(s / chunk_size)] that chunk c (starting at c * chunk_size) reads
-        attention, from the first layer's reads of each chunk's first token (layers/router.py): one pass
-        over the embedding and the first layer's mixer, before any mode is chosen."""
-        first = self._first_routed_layer()
-        hidden = first.input_layernorm(self.embedding(input_ids, position_ids=None))  # [s, b, hidden]
+        attention, from the reads of each chunk's first token in the first ``router_layers`` layers
+        (layers/router.py) of an all-linear pass: the first layer's, known before any mode is chosen, and
+        each later one's from the layers below read all-linear. ``router_cache`` (``allocate_router_cache``,
+        empty): the pass is a prefill, its states left there for ``route_step``."""
+        layers = self._routed_layers()
+        hidden = self.embedding(input_ids, position_ids=None)  # [s, b, hidden]
         documents = None if document_ids is None else Documents(document_ids)
-        return self.router(first.mixer.chunk_readouts(hidden, chunk_size, documents))
+        linear = MixerContext.build(self.config, Mode.LINEAR, document_ids)
+        reads = []
+        for i, layer in enumerate(layers):
+            reads.append(layer.mixer.chunk_readouts(layer.input_layernorm(hidden), chunk_size, documents))
+            if router_cache is not None or i + 1 < len(layers):
+                hidden = layer(hidden, linear, None if router_cache is None else router_cache[i])
+        return self.router(torch.stack(reads, dim=3))  # [b, n, h, layers, 2, d_v]: split with the heads
 
-    def route_step(self, input_ids: Tensor, inference_cache: List[MixerCache]) -> Tensor:
+    def route_step(self, input_ids: Tensor, inference_cache: List[MixerCache],
+                   router_cache: Optional[List[MixerCache]] = None) -> Tensor:
         """``route`` at decode: the logit [b, 1] of the chunk that starts at the new token input_ids [b, 1],
-        before that token's step (the caches are left as they were)."""
-        first = self._first_routed_layer()
-        hidden = first.input_layernorm(self.embedding(input_ids, position_ids=None))  # [1, b, hidden]
-        return self.router(first.mixer.step_readouts(hidden, inference_cache[0]))
+        before that token's step: from the first layer's cache of the model's own pass (left as it was),
+        or, with ``router_cache``, from the all-linear pass's, which the token then advances."""
+        layers = self._routed_layers()
+        hidden = self.embedding(input_ids, position_ids=None)  # [1, b, hidden]
+        caches = inference_cache[:1] if router_cache is None else router_cache
+        reads = []
+        for layer, cache in zip(layers, caches):
+            reads.append(layer.mixer.step_readouts(layer.input_layernorm(hidden), cache))
+            if router_cache is not None:
+                hidden = layer(hidden, MixerContext.build(self.config, Mode.LINEAR), cache)
+        return self.router(torch.stack(reads, dim=3))
 
-    def _first_routed_layer(self):
+    def advance_router(self, input_ids: Tensor, router_cache: List[MixerCache]) -> None:
+        """The all-linear pass of ``router_cache`` over a new token that starts no chunk: input_ids [b, 1]."""
+        hidden = self.embedding(input_ids, position_ids=None)
+        for layer, cache in zip(self._routed_layers(), router_cache):
+            hidden = layer(hidden, MixerContext.build(self.config, Mode.LINEAR), cache)
+
+    def allocate_router_cache(self, batch_size: int, dtype: torch.dtype, device=None,
+                              capacity: Optional[int] = None) -> Optional[List[MixerCache]]:
+        """The caches of the all-linear pass a router of more than one layer reads (one per routed layer,
+        ``route``/``route_step``/``advance_router`` keep them); None for a router of the first layer, which
+        reads the model's own first-layer cache."""
+        layers = self._routed_layers()
+        if len(layers) == 1:
+            return None
+        return [layer.mixer.allocate_inference_cache(batch_size, dtype, device, capacity) for layer in layers]
+
+    def _routed_layers(self):
         if self.router is None:
             raise ValueError("this model has no router (model.router_hidden is null)")
-        return self.decoder.layers[0]
+        layers = self.decoder.layers[: self.config.router_layers]
+        if len(layers) < self.config.router_layers:
+            raise ValueError(f"router_layers={self.config.router_layers}: this pipeline stage holds "
+                             f"{len(self.decoder.layers)} layers; the router reads its first stage only")
+        return layers
 
     def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                                  capacity: Optional[int] = None, kv_cache: bool = True) -> List[MixerCache]:

@@ -132,7 +132,8 @@ def build_loader(run: TrainConfig, split: str = "train", mode_schedule=None):
     if d.format == "mqar":
         common.pop("num_workers")
         return MQARLoader(vocab_size=d.mqar_vocab_size or run.model.vocab_size, num_pairs=d.mqar_num_pairs,
-                          num_queries=d.mqar_num_queries, filler_id=d.mqar_filler_id, split=split, **common)
+                          num_queries=d.mqar_num_queries, filler_id=d.mqar_filler_id, query_spans=d.mqar_query_spans,
+                          context_segments=d.mqar_context_segments, split=split, **common)
     if d.format == "indexed":
         iters = train_iters(run) if split == "train" else t.eval_iters
         return IndexedLoader(d.data_path, num_samples=iters * t.global_batch_size, eod_id=d.eod_id,

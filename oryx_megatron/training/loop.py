@@ -34,7 +34,7 @@ from oryx_megatron.training.builders import (
 from oryx_megatron.run_config import TrainConfig, train_iters
 from oryx_megatron.training.metrics import MetricsLogger, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
-from oryx_megatron.training.router import RouterTrainer
+from oryx_megatron.training.router import RouterTrainer, load_trained_weights
 from oryx_megatron.training.saving import CheckpointSaver
 from oryx_megatron.training.steps import (
     Interval,
@@ -145,6 +145,9 @@ class Trainer:
             for loader in self.loaders[1:]:
                 loader.load_state_dict(self.loaders[0].state_dict())
             logger.info("resumed from %s at iteration %d", latest, self.iteration)
+        elif self.run.router.mode == "joint" and self.run.router.init_from:  # a trained model, a new router
+            logger.info("joint routing from the weights of %s",
+                        load_trained_weights(self.model[0].module, self.run.router.init_from))
         self.metrics.start(self.iteration, self.run_id)
 
     def train(self) -> int:
@@ -223,7 +226,9 @@ class Trainer:
         self.scheduler.step(increment=1)
         if self.run.router.mode == "joint":  # the price of attention rises while the fraction exceeds the budget
             r, router = self.run.router, self.model[0].module.router
-            fraction = float(loss_sums[3] / loss_sums[1]) if loss_sums[1] else 0.0
+            routed = torch.stack([report["routed_tokens"] for report in reports]).sum(0)  # of every token
+            dist.all_reduce(routed, group=parallel_state.get_data_parallel_group())
+            fraction = float(routed[0] / routed[1])
             router.price.copy_((router.price + r.price_lr * (fraction - r.budget)).clamp_min(0))
         return loss_sums, grad_norm
 

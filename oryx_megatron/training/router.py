@@ -79,7 +79,7 @@ class RouterTrainer:
         self.model = build_model(run.model, model_config(run)).to(self.device)
         self.chunk = run.model.router_chunk_size
         self.iterations = train_iters(run)
-        start = load_frozen_weights(self.model, run.router.init_from)
+        start = load_trained_weights(self.model, run.router.init_from)
         logger.info("router: fitting the router of %s (frozen); %d iterations", start, self.iterations)
         for name, param in self.model.named_parameters():
             param.requires_grad_(name.startswith("router."))
@@ -182,9 +182,10 @@ def router_metrics(sums: Tensor) -> Dict[str, float]:
     }
 
 
-def load_frozen_weights(model, init_from: str) -> Path:
+def load_trained_weights(model, init_from: str) -> Path:
     """The trained model's weights (all but the router's, which it does not have) from ``init_from``:
-    a checkpoint, or a run's checkpoint.dir (its `latest`). Returns the checkpoint read."""
+    a checkpoint, or a run's checkpoint.dir (its `latest`); frozen by post-hoc training, trained on by
+    joint training. Returns the checkpoint read."""
     path = Path(init_from)
     if not (path / checkpoint.RUN_CONFIG).exists():
         path = checkpoint.latest_checkpoint(init_from, fallback=False)

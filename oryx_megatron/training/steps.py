@@ -57,7 +57,8 @@ def _routed_forward_step(chunk_size: int, data_iterator, model):
     """router=joint: each chunk's mode drawn from the router, p = sigmoid(logit), a ~ Bernoulli(p);
     the layers read with weights a + p - stop_gradient(p) (a in value: the LM loss reaches the router
     through attention read minus linear read, straight-through), and the loss adds the price of
-    attention: price x each reading token's attention FLOPs (its position + 1, relative to the mean)."""
+    attention: price x each reading token's attention FLOPs (its position + 1, relative to the mean), over
+    every token (a task whose loss covers its answers only still pays for attention on its context)."""
     batch = get_batch(data_iterator, current_device())
     docs, s = batch.get("document_ids"), batch["tokens"].shape[1]
     flops = torch.arange(1, s + 1, device=batch["tokens"].device, dtype=torch.float32) / ((s + 1) / 2)  # mean 1
@@ -75,15 +76,19 @@ def _routed_forward_step(chunk_size: int, data_iterator, model):
 def _loss(loss_mask, modes, per_token_loss, attention_cost=None):
     """Token-summed loss and token count (megatron divides by the global count), plus the
     sums over attention-mode tokens for per-mode logging. ``attention_cost`` [b, s] (router=joint):
-    added to each masked token's loss (the reported sums stay the LM loss's)."""
+    added to the loss, summed over every token (the reported sums stay the LM loss's), and the report
+    adds ``routed_tokens``: [tokens reading attention, tokens], every token counted."""
     mask = loss_mask.float()
     losses = per_token_loss.float() * mask
-    attention = (modes == Mode.ATTENTION).float() * mask
+    # joint routing's weights are a + p - p.detach(): 0/1 up to rounding (1 + p - p is not always 1)
+    reads_attention = modes.detach() > 0.5 if modes.is_floating_point() else modes == Mode.ATTENTION
+    attention = reads_attention.float() * mask
     total, count = losses.sum(), mask.sum()
     report = torch.stack([total, count, (losses * attention).sum(), attention.sum()]).detach()
-    if attention_cost is not None:
-        total = total + (attention_cost * mask).sum()
-    return total, count.int(), {"loss_sums": report}
+    if attention_cost is None:
+        return total, count.int(), {"loss_sums": report}
+    routed = torch.tensor([reads_attention.sum(), reads_attention.numel()], dtype=torch.float64, device=mask.device)
+    return total + attention_cost.sum(), count.int(), {"loss_sums": report, "routed_tokens": routed}
 
 
 class Interval:

@@ -1,5 +1,6 @@
 """The synthetic MQAR loader: samples are pure functions of (seed, split, global index)."""
 
+import dataclasses
 import json
 import math
 
@@ -134,6 +135,18 @@ def test_queries_and_filler():
         loader.load_state_dict(_loader(num_pairs=6, num_queries=2).state_dict())
 
 
+def test_scattered_queries_move_the_answers_and_are_part_of_the_state():
+    loader = _loader(num_pairs=6, num_queries=4, query_spans=2, context_segments=3)
+    batch = next(loader)
+    for row in range(3):
+        sample = loader.sample(row)
+        assert torch.equal(batch["loss_mask"][row].bool(), torch.from_numpy(sample["answer_mask"][0]))
+        assert batch["labels"][row][batch["loss_mask"][row].bool()].tolist() == solve_mqar(sample)[0].tolist()
+    assert len({tuple(loader.sample(i)["query_positions"][0]) for i in range(8)}) > 1  # the spans move
+    with pytest.raises(ValueError, match="loader state has query_spans=None, this loader has query_spans=2"):
+        loader.load_state_dict(_loader(num_pairs=6, num_queries=4).state_dict())
+
+
 def test_retrieval_eval_of_an_mqar_run_samples_its_training_distribution():
     from oryx_megatron.eval.retrieval import build_task
 
@@ -147,3 +160,9 @@ def test_retrieval_eval_of_an_mqar_run_samples_its_training_distribution():
     assert (sample["inputs"][:, 12:45] == 63).all() and sample["inputs"].max() < 64
     with pytest.raises(ValueError, match="niah needs a tokenized dataset .*data.format=mqar"):
         build_task("niah", run, 3, 48, 0, "random", 6, 2, 1, 2, 4)
+    scattered = dataclasses.replace(run, data=dataclasses.replace(d, mqar_filler_id=None, mqar_query_spans=2))
+    sample, mixed, _ = build_task("mqar", scattered, 3, 48, 0, "random", 6, 2, 1, 2, 4)  # its training layout
+    assert np.array_equal(mixed.batch(48, range(3)).numpy() == 1, sample["query_span_mask"])
+    assert sample["query_span_mask"].sum(1).tolist() == [2] * 3  # 2 spans of one query: its key
+    _, last, _ = build_task("mqar", scattered, 3, 48, 0, "random", 6, 2, 1, 2, 4, query_spans=0)
+    assert last.n_last == 3
