@@ -42,9 +42,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from tqdm import tqdm
 
-from oryx_megatron.config import Mode
+from oryx_megatron.config import FAMILY_MIXERS, Mode, ModelArgs
 from oryx_megatron.data.modes import RandomChunks
-from oryx_megatron.config import FAMILY_MIXERS, ModelArgs
 from oryx_megatron.eval.reporting import write_json
 from oryx_megatron.models import flops
 from oryx_megatron.models.builder import build_model, transformer_config
