@@ -63,7 +63,7 @@ def measure(family: str, seq: int, micro_batch: int, repeats: int, layers: int, 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab_size, (micro_batch, seq + 1), generator=g)
-    modes = torch.randint(0, 2, (micro_batch, seq // 64), generator=g).repeat_interleave(64, 1)[:, :seq]
+    modes = (torch.arange(seq) // 64 % 2).expand(micro_batch, seq)  # 64-token chunks, every other one attention
     local = this_rank_tokens(tokens=ids[:, :-1], labels=ids[:, 1:])
 
     def forward():
@@ -159,8 +159,7 @@ def layer_bytes_per_token(family: str, seq: int) -> Tuple[float, ModelArgs]:
 def layer_activations(family: str, seq: int) -> Tuple[int, ModelArgs]:
     """Bytes one bf16 layer of the family's 1.4B recipe saves for ``seq`` tokens, and the recipe."""
     initialize_parallel()
-    args = load_model_args([f"model={family}_1_4b", "model.num_layers=1", f"model.max_sequence_length={seq}",
-                            "model.kernel_backend=torch"])
+    args = load_model_args([f"model={family}_1_4b", "model.num_layers=1", f"model.max_sequence_length={seq}"])
     model = build_model(args, transformer_config(args, params_dtype=torch.bfloat16, bf16=True))
     ids = torch.randint(0, args.vocab_size, (1, seq))
     hidden = model.embedding(ids, position_ids=None).detach().requires_grad_()  # [s, 1, D]: the layer alone
@@ -185,7 +184,7 @@ def print_table(seq: int) -> None:
 
     print(f"\n{'recipe':<18}{'params':>8}{'act KiB/token/layer':>21}" + "".join(
         f"{f'{s // 1024}k cp{c} GiB':>15}" for s in TABLE_SEQS for c in TABLE_CPS))
-    for family in ("oryx_tg", "oryx_tm", "transformer"):
+    for family in FAMILIES:
         per_token, args = layer_bytes_per_token(family, seq)
         params = sum(p.numel() for p in meta_model(load_model_args([f"model={family}_1_4b"]))[0].parameters())
         static = params * (2 + 4 + 12 / TABLE_GPUS)

@@ -173,7 +173,7 @@ def fake_runs(monkeypatch, test_accuracy):
         lr = float([o for o in config if o.startswith("optimizer.lr=")][-1].split("=")[1])
         return torch.nn.Linear(2, 2), SimpleNamespace(optimizer=SimpleNamespace(lr=lr)), f"{model}-s{seed}-{lr}"
 
-    def evaluate(exp, net, run, out):
+    def evaluate(exp, net, run, out, joint=False):
         return {"rows": [dict(schedule="mixed", accuracy=test_accuracy(run.optimizer.lr), token_accuracy=0.5,
                               attention_fraction=0.1)]}
 

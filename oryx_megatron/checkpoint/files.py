@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Iterable, List, Optional, Set
 
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase
@@ -151,10 +152,12 @@ def load_sharded(sharded_state: dict, path: Path, model_keys: Optional[Iterable[
     current names (it is keyed like ``sharded_state``). A checkpoint holding a key of a model
     state that the model does not have, under either spelling, is refused (CheckpointKeysError
     naming the keys): ``model_keys``, the keys of everything the model has (default: what
-    ``sharded_state`` asks for; more when it asks for part of the model)."""
+    ``sharded_state`` asks for; more when it asks for part of the model), on any rank (a pipeline stage
+    holds its own layers)."""
     saved = {entry.key for entry in load_sharded_metadata(str(path)).values()}
     requested = [entry for entry in nested_values(sharded_state) if isinstance(entry, ShardedBase)]
-    known = {model_key(key) for key in (model_keys if model_keys is not None else sharded_keys(sharded_state))}
+    known = _every_rank({model_key(key) for key in (model_keys if model_keys is not None
+                                                    else sharded_keys(sharded_state))})
     known |= {old_key(key) for key in known if key is not None}
     unknown = sorted({model_key(key) for key in saved} - known - {None})
     if unknown:
@@ -165,3 +168,12 @@ def load_sharded(sharded_state: dict, path: Path, model_keys: Optional[Iterable[
     return dist_checkpointing.load(sharded_state, str(path))
 
 
+
+
+def _every_rank(keys: Set[Optional[str]]) -> Set[Optional[str]]:
+    """The union of ``keys`` over the ranks of the default group (every rank loads; each holds its part)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return keys
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, keys)
+    return set().union(*gathered)
