@@ -41,41 +41,64 @@ def plot_bars(exp: Experiment, summary: List[dict], exp_dir: Path) -> Path:
     return path
 
 
-# one colour per kind of schedule in every routing plot (tab10's first eight)
-KIND_COLORS = dict(zip(("all", "oracle", "router", "random", "first", "last", "entropy", "joint"),
-                       (f"C{i}" for i in range(8))))
+# one colour per kind of schedule in every routing plot (tab10's first seven)
+KIND_COLORS = dict(zip(("all", "oracle", "router", "random", "first", "last", "entropy"), (f"C{i}" for i in range(7))))
 
 
 def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
-    """The first metric against the attention fraction (means over seeds): a line per kind of
-    schedule (router, random, first, last chunks, entropy, the joint router), points for all_linear,
-    all_attention and the oracle; a panel per (variant, model)."""
+    """The first metric against the attention fraction (means over seeds), a panel per (variant, model) and per
+    model tested: the base run (its post-hoc router) and, where the experiment has one, the run trained on with
+    a joint router (its ``joint:`` rows). In each a line per kind of schedule (router, random, first, last
+    chunks, entropy), points for all_linear and the oracle, all_attention a dotted line (its fraction, 1, lies
+    far right of the others: the x axis stops past the largest other fraction)."""
     from matplotlib.figure import Figure
 
     metric = exp.metrics[0]
-    panels = list(dict.fromkeys((r["variant"], r["model"]) for r in rows))
-    fig = Figure(figsize=(5.5 * len(panels), 4.2))
-    axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
-    for ax, (variant, model) in zip(axes, panels):
-        mine = [r for r in rows if (r["variant"], r["model"]) == (variant, model)]
-        for kind in [k for k in dict.fromkeys(r["kind"] for r in mine) if k in KIND_COLORS]:  # not joint:<kind>
-            labels = list(dict.fromkeys(r["schedule"] for r in mine if r["kind"] == kind))
-            points = sorted((np.mean([r["attention_fraction"] for r in mine if r["schedule"] == label]),
-                             np.mean([r[metric] for r in mine if r["schedule"] == label])) for label in labels)
-            x, y = np.array(points).T
-            style = "s" if kind in ("all", "oracle") else "o-"
-            ax.plot(x, y, style, color=KIND_COLORS[kind], markersize=5,
-                    label=kind if kind != "all" else "all_linear / all_attention")
-        ax.set(xlabel="attention fraction (tokens)", title=model if len(exp.variants) == 1 else f"{model} ({variant})")
+    models = list(dict.fromkeys((r["variant"], r["model"]) for r in rows))
+    tested = ["base"] + (["joint"] if any(r["schedule"].startswith("joint:") for r in rows) else [])
+    fig = Figure(figsize=(5.0 * len(models), 3.8 * len(tested)))
+    axes = fig.subplots(len(tested), len(models), sharey=True, squeeze=False)
+    for row_axes, group in zip(axes, tested):
+        for ax, (variant, model) in zip(row_axes, models):
+            mine = [dict(r, kind=_base_kind(r)) for r in rows if (r["variant"], r["model"]) == (variant, model)
+                    and r["schedule"].startswith("joint:") == (group == "joint")]
+            _draw_kinds(ax, mine, metric)
+            name = model if len(exp.variants) == 1 else f"{model} ({variant})"
+            ax.set(xlabel="attention fraction (tokens)",
+                   title=name + (": joint router (model trained on with it)" if group == "joint" else ""))
     values = [r[metric] for r in rows if r[metric] is not None]
     if values and min(values) >= 0:  # accuracies: from 0 (to 1 when every point is 0)
-        axes[0].set_ylim(0, 1.1 * max(values) if max(values) > 0 else 1)
-    axes[0].set_ylabel(f"{metric} (mean over {len(exp.seeds)} seeds)")
-    axes[0].legend(fontsize=8)
+        axes[0, 0].set_ylim(0, 1.1 * max(values) if max(values) > 0 else 1)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"{metric} (mean over {len(exp.seeds)} seeds)")
+    axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
     path = exp_dir / "routing.png"
     fig.savefig(path, dpi=120)
     return path
+
+
+def _base_kind(row: dict) -> str:
+    """The kind of schedule a row is, joint or not: the joint router's rows are ``router`` in their panel."""
+    return "router" if row["kind"] == "joint" else row["kind"].removeprefix("joint:")
+
+
+def _draw_kinds(ax, rows: List[dict], metric: str) -> None:
+    right = 0.0
+    for kind in [k for k in dict.fromkeys(r["kind"] for r in rows) if k in KIND_COLORS]:
+        labels = list(dict.fromkeys(r["schedule"] for r in rows if r["kind"] == kind))
+        points = sorted((np.mean([r["attention_fraction"] for r in rows if r["schedule"] == label]),
+                         np.mean([r[metric] for r in rows if r["schedule"] == label]), label) for label in labels)
+        for x, y, label in points:
+            if label.endswith("all_attention"):
+                ax.axhline(y, color=KIND_COLORS["all"], linestyle=":", label=f"all_attention ({y:.3f})")
+        points = [(x, y) for x, y, label in points if not label.endswith("all_attention")]
+        if points:
+            x, y = np.array(points).T
+            right = max(right, x.max())
+            ax.plot(x, y, "s" if kind in ("all", "oracle") else "o-", color=KIND_COLORS[kind], markersize=5,
+                    label="all_linear" if kind == "all" else kind)
+    ax.set_xlim(-0.01, max(0.25, 1.3 * right))
 
 
 def plot_curves(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
