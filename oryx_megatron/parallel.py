@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.utils import get_batch_on_this_cp_rank
 
 from oryx_megatron.compat.cpu import apply_cpu_compat
+from oryx_megatron.compat.megatron import batch_on_this_cp_rank
 from oryx_megatron.launch import distributed_env_from_slurm
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # parallel.distributed_timeout_minutes
@@ -104,7 +104,7 @@ def this_rank_tokens(**tensors: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Each [b, s] tensor's tokens of this context-parallel rank: megatron's load-balanced split
     (``get_batch_on_this_cp_rank``: sequence chunks r and 2cp - 1 - r of 2cp); all of them without context
     parallelism. What the model reads whole (modes, document ids) is not split."""
-    return get_batch_on_this_cp_rank(dict(tensors))
+    return batch_on_this_cp_rank(dict(tensors))
 
 
 def whole_sequences(t: torch.Tensor) -> torch.Tensor:

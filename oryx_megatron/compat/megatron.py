@@ -22,8 +22,12 @@ number; nothing else in the project reads megatron-core's version (tests/test_st
   ``materialize_only_last_token_logits`` up to 0.18, its ``config``'s (an ``InferenceConfig``) from 0.19
   (``last_token_logits_only``), where megatron reads it only while its engine's ``InferenceMode`` is active:
   not set here, so 0.19 computes every position's logits and the model keeps the last.
+- **The context-parallel batch split** (``batch_on_this_cp_rank``): ``get_batch_on_this_cp_rank(batch, cp_group)``
+  up to 0.18; 0.19 adds a required ``is_hybrid_cp`` (hybrid CP, variable CP sizes per sample: not used here) and
+  no longer defaults the group to the context-parallel one. Both are given the CP group explicitly.
 """
 
+import inspect
 import io
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -93,3 +97,14 @@ def last_token_logits_only(context, last_only: bool) -> None:
     """Make the next forward through ``context`` compute the logits of the last position only, or of all."""
     holder = context if hasattr(context, "materialize_only_last_token_logits") else context.config
     holder.materialize_only_last_token_logits = last_only
+
+
+def batch_on_this_cp_rank(batch: dict) -> dict:
+    """megatron's ``get_batch_on_this_cp_rank`` over the context-parallel group (the module docstring)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    group = parallel_state.get_context_parallel_group()
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(batch, cp_group=group)
