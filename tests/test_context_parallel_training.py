@@ -26,10 +26,12 @@ def test_a_context_parallel_run_follows_the_one_process_curve(corpus, tmp_path, 
     run_distributed(_run, str(tmp_path / "cp2"), corpus, common + CP2, str(tmp_path / "cp2/out"))
     reference, curve = losses(tmp_path / "ref/out"), losses(tmp_path / "cp2/out")
     assert len(curve) == 5 and np.max(np.abs(np.array(curve) - reference)) < LAYOUT_TOLERANCE, (reference, curve)
-    # the per-mode sums are the whole batch's too: attention-mode and linear-mode losses of every token
+    # the per-mode sums are the whole batch's too: attention-mode and linear-mode losses of every token. Each is
+    # a mean over about half the tokens, summed in another order: measured up to 2.2e-6 (4.7 ulps near 5.4, torch
+    # 2.11), so 8 ulps; a token lost or counted twice moves it by ~1e-3
     for key in ("train/loss_attention", "train/loss_linear"):
         assert np.max(np.abs(np.array(losses(tmp_path / "cp2/out", key)) - losses(tmp_path / "ref/out", key))) \
-            < LAYOUT_TOLERANCE
+            < 2 * LAYOUT_TOLERANCE
 
 
 def test_a_context_parallel_run_resumes_exactly_and_at_another_layout(corpus, tmp_path):
