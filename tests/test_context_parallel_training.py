@@ -61,3 +61,15 @@ def test_a_context_parallel_run_resumes_exactly_and_at_another_layout(corpus, tm
 def test_context_parallel_layouts_that_do_not_fit_are_one_line(corpus, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         run_config(corpus, tmp_path, *CP2, override, "model.kv_channels=16")
+
+
+def test_joint_routing_prices_attention_by_the_whole_sequence(corpus, tmp_path):
+    """router=joint at CP=2: the price follows the fraction of every token of the sequence reading attention,
+    not of one rank's share (each rank holds half the tokens: chunks r and 3 - r of 4), so it equals CP=1's."""
+    joint = ["router=joint", "model.router_hidden=8", "model.router_chunk_size=16", "router.budget=0.2",
+             "router.price_lr=0.5", "train.train_iters=3"]
+    assert pretrain(run_config(corpus, tmp_path / "cp1", *joint), str(tmp_path / "cp1/out")) == 0
+    run_distributed(_run, str(tmp_path / "cp2"), corpus, joint + CP2, str(tmp_path / "cp2/out"))
+    prices = [losses(tmp_path / f"{layout}/out", "router/price") for layout in ("cp1", "cp2")]
+    assert len(prices[0]) == 3 and prices[0][-1] > 0
+    assert np.max(np.abs(np.array(prices[1]) - prices[0])) < LAYOUT_TOLERANCE, prices

@@ -227,7 +227,7 @@ class Trainer:
         if self.run.router.mode == "joint":  # the price of attention rises while the fraction exceeds the budget
             r, router = self.run.router, self.model[0].module.router
             routed = torch.stack([report["routed_tokens"] for report in reports]).sum(0)  # of every token
-            dist.all_reduce(routed, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(routed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             fraction = float(routed[0] / routed[1])
             router.price.copy_((router.price + r.price_lr * (fraction - r.budget)).clamp_min(0))
         return loss_sums, grad_norm
