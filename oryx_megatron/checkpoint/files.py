@@ -168,8 +168,6 @@ def load_sharded(sharded_state: dict, path: Path, model_keys: Optional[Iterable[
     return dist_checkpointing.load(sharded_state, str(path))
 
 
-
-
 def _every_rank(keys: Set[Optional[str]]) -> Set[Optional[str]]:
     """The union of ``keys`` over the ranks of the default group (every rank loads; each holds its part)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -59,8 +59,7 @@ class CausalSDPAttention(MegatronModule):
                 "CausalSDPAttention supports window_size=None and softmax_type='vanilla', got "
                 f"{config.window_size!r}, {config.softmax_type!r}"
             )
-        cp_group = parallel_state.get_context_parallel_group()
-        self.cp = ContextParallel(cp_group if cp_group.size() > 1 else None)  # the Oryx mixer's all-to-all
+        self.cp = ContextParallel(parallel_state.get_context_parallel_group())  # the Oryx mixer's all-to-all
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         tp_size = (

@@ -54,8 +54,7 @@ class MultiMixer(OryxMixer):
                                 input_is_parallel=True, skip_bias_add=True, is_expert=False,
                                 tp_comm_buffer_name="proj", tp_group=tp_group)
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        cp_group = parallel_state.get_context_parallel_group()
-        cp = ContextParallel(cp_group if cp_group.size() > 1 else None)  # the mixing splits heads, not tokens
+        cp = ContextParallel(parallel_state.get_context_parallel_group())  # the mixing splits heads, not tokens
         shard = HeadShard(tp_group.size(), tp_group.rank(), config.params_dtype, device, config.perform_initialization,
                           cp)
         super().__init__(config, shard, in_proj, out_proj, core_attention)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 
 class ContextParallel:
-    """The context-parallel group of a mixer (None: no context parallelism)."""
+    """The context-parallel group of a mixer (None, or a group of one rank: no context parallelism)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None):
         self.group = group
