@@ -28,9 +28,9 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor
 
+from oryx_megatron.config import Mode
 from oryx_megatron.layers.config import OryxConfig
 from oryx_megatron.layers.router import ParallelChunkRouter
-from oryx_megatron.config import Mode
 from oryx_megatron.mixer import MixerCache, MixerContext
 from oryx_megatron.ops import Documents
 
@@ -209,18 +209,19 @@ class OryxModel(LanguageModule):
         layers = self._routed_layers()
         hidden = self.embedding(input_ids, position_ids=None)  # [1, b, hidden]
         caches = inference_cache[:1] if router_cache is None else router_cache
+        linear = MixerContext.build(self.config, Mode.LINEAR)
         reads = []
         for layer, cache in zip(layers, caches):
             reads.append(layer.mixer.step_readouts(layer.input_layernorm(hidden), cache))
             if router_cache is not None:
-                hidden = layer(hidden, MixerContext.build(self.config, Mode.LINEAR), cache)
+                hidden = layer(hidden, linear, cache)
         return self.router(torch.stack(reads, dim=3))
 
     def advance_router(self, input_ids: Tensor, router_cache: List[MixerCache]) -> None:
         """The all-linear pass of ``router_cache`` over a new token that starts no chunk: input_ids [b, 1]."""
-        hidden = self.embedding(input_ids, position_ids=None)
+        hidden, linear = self.embedding(input_ids, position_ids=None), MixerContext.build(self.config, Mode.LINEAR)
         for layer, cache in zip(self._routed_layers(), router_cache):
-            hidden = layer(hidden, MixerContext.build(self.config, Mode.LINEAR), cache)
+            hidden = layer(hidden, linear, cache)
 
     def allocate_router_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                               capacity: Optional[int] = None) -> Optional[List[MixerCache]]:
