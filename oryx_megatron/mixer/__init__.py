@@ -4,11 +4,12 @@ inference state and the chunk router. The megatron layer (``oryx_megatron.layers
 model (``oryx_megatron.hf``) hold its parameters and call it.
 
 - ``OryxMixer`` (oryx_mixer.py) and its ``MixerLayout``; ``linear``: the linear mixers (``LINEAR_MIXERS``);
-- ``MixerContext``: what every layer of one forward shares (modes, reads, documents, router weights);
+- ``MixerContext``: what every layer of one forward shares (modes, reads, documents, router weights), and
+  ``RouterReadouts``, where the layers leave the router's features;
 - ``MixerCache``: one layer's inference state; ``ChunkRouter``: the router.
 """
 
-from oryx_megatron.mixer.context import QUERY_BLOCK, MixerContext
+from oryx_megatron.mixer.context import QUERY_BLOCK, MixerContext, RouterReadouts
 from oryx_megatron.mixer.context_parallel import ContextParallel
 from oryx_megatron.mixer.heads import HeadModule, HeadShard
 from oryx_megatron.mixer.layout import MixerLayout
@@ -18,4 +19,5 @@ from oryx_megatron.mixer.router import ChunkRouter
 from oryx_megatron.mixer.state import KV_BLOCK, MixerCache, MixerSnapshot
 
 __all__ = ["ChunkRouter", "ContextParallel", "HeadModule", "HeadShard", "KV_BLOCK", "LINEAR_MIXERS", "LinearMixer",
-           "MixerCache", "MixerContext", "MixerLayout", "MixerSnapshot", "OryxMixer", "QUERY_BLOCK", "linear_mixer_class"]
+           "MixerCache", "MixerContext", "MixerLayout", "MixerSnapshot", "OryxMixer", "QUERY_BLOCK", "RouterReadouts",
+           "linear_mixer_class"]

@@ -3,7 +3,7 @@ megatron hands down ``PackedSeqParams``: the tokens' modes and the mixers they r
 attention read, the router's weights, the packed documents."""
 
 import dataclasses
-from typing import FrozenSet, Optional, Union
+from typing import FrozenSet, List, Optional, Union
 
 import torch
 from torch import Tensor
@@ -14,18 +14,35 @@ from oryx_megatron.ops import BlockReads, Documents
 QUERY_BLOCK = 128  # query positions per block of the block-sparse attention read (FlexAttention's default)
 
 
+@dataclasses.dataclass
+class RouterReadouts:
+    """The router's features, collected on the way (mixer/router.py): every layer a context carrying this passes
+    through appends both mixers' reads of the first token of each chunk of ``chunk_size`` positions, [b, n, h, 2,
+    d_v] (n = ceil(s / chunk_size); one token at decode: n = 1), computed from the same projections, convs and
+    linear scan as the layer's own output."""
+
+    chunk_size: int
+    reads: List[Tensor] = dataclasses.field(default_factory=list)
+
+    def stacked(self) -> Tensor:
+        """[b, n, h, layers, 2, d_v]: the layers' reads, in the order they were read."""
+        return torch.stack(self.reads, dim=3)
+
+
 @dataclasses.dataclass(frozen=True)
 class MixerContext:
     """``modes``: one Mode every token reads, or [b, s] int per token; ``reads``: the modes some token reads;
     ``attention_readers``: the block-sparse attention read where the tokens' modes differ (None: attention, if
     read, is computed for every position); ``router_weights`` [b, s] float, 0/1 in value with a gradient to the
-    router (joint routing: out = linear + w (attention - linear)); ``documents``: packed documents or None."""
+    router (joint routing: out = linear + w (attention - linear)); ``documents``: packed documents or None;
+    ``readouts``: where the layers leave the router's features (``RouterReadouts``), or None."""
 
     modes: Union[Mode, Tensor]
     reads: FrozenSet[Mode]
     attention_readers: Optional[BlockReads] = None
     router_weights: Optional[Tensor] = None
     documents: Optional[Documents] = None
+    readouts: Optional[RouterReadouts] = None
 
     @classmethod
     def build(cls, config: MixerConfig, modes: Union[None, int, Mode, Tensor] = None,

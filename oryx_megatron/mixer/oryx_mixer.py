@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from oryx_megatron.config import MixerConfig, Mode
 from oryx_megatron.mixer.attention import SDPAttention
-from oryx_megatron.mixer.context import MixerContext
+from oryx_megatron.mixer.context import MixerContext, RouterReadouts
 from oryx_megatron.mixer.heads import GatedRMSNorm, HeadModule, HeadShard, ShortConv
 from oryx_megatron.mixer.layout import MixerLayout
 from oryx_megatron.mixer.linear import linear_mixer_class
@@ -47,9 +47,6 @@ from oryx_megatron.ops import (
     rotary_table,
     upcast,
 )
-
-READ_LINEAR = MixerContext(Mode.LINEAR, frozenset((Mode.LINEAR,)))
-
 
 class OryxMixer(HeadModule):
     """Hidden states [b, s, hidden] in and out, through ``in_proj`` and ``out_proj`` (plain ``nn.Linear`` unless a
@@ -88,7 +85,7 @@ class OryxMixer(HeadModule):
         if cache is not None and cache.seqlen > 0 and self._tokens(hidden) == 1:
             return self.step(hidden, context, cache)
         x = self._streams(cp.to_heads(self._projection(hidden)))  # stream -> [b, s, h (/ cp), width]
-        if self.recompute and self.training and cache is None:
+        if self.recompute and self.training and cache is None and context.readouts is None:
             y = checkpoint(self._mix, x, context, None, use_reentrant=False)
         else:
             y = self._mix(x, context, cache)
@@ -115,6 +112,11 @@ class OryxMixer(HeadModule):
                                                             documents=context.documents)
             if cache is not None:
                 cache.recurrent_state.copy_(state)
+        if context.readouts is not None:
+            if cache is not None and cache.seqlen > 0:
+                raise ValueError("the router reads a sequence from its start: route the whole prompt in one prefill")
+            context.readouts.reads.append(self._chunk_readouts(x, outputs[Mode.LINEAR], context.readouts.chunk_size,
+                                                               context.document_ids))
         if cache is not None:
             if context.documents is not None:
                 cache.after_documents(context.documents.ids)
@@ -141,11 +143,11 @@ class OryxMixer(HeadModule):
         return self.core_attention(q, k, v, context.attention_readers, document_ids)
 
     # ---- one-token decode ----
-    def step(self, hidden: Tensor, context: MixerContext, cache: MixerCache, readouts: Optional[Tensor] = None):
+    def step(self, hidden: Tensor, context: MixerContext, cache: MixerCache):
         """Decode one token per sequence: hidden [b, 1, hidden] (in the front end's layout); ``context`` built with
-        ``decode=True`` (or one Mode). With ``readouts`` [b, h, 2, d_v] both mixers read and their reads are
-        written there (``step_readouts``). Positions come from the cache's ``position`` tensor and every state is
-        written in place: no host synchronisation, so the step can be captured in a CUDA graph."""
+        ``decode=True`` (or one Mode). With ``context.readouts`` both mixers read and their reads are appended
+        there, [b, 1, h, 2, d_v]. Positions come from the cache's ``position`` tensor and every state is written
+        in place: no host synchronisation, so the step can be captured in a CUDA graph."""
         x = {name: t.squeeze(1) for name, t in self._streams(self._projection(hidden)).items()}  # [b, h, width]
         for name in self.layout.conv_streams:
             b, h, d = x[name].shape
@@ -165,7 +167,7 @@ class OryxMixer(HeadModule):
                 q, k = self._rotate(x[self.layout.attention_query][:, None], x["k"][:, None],
                                     cache.position.view(1), cache.capacity)
                 cache.write_at_position(k, x["v"][:, None])
-                if Mode.ATTENTION in context.reads or readouts is not None:
+                if Mode.ATTENTION in context.reads or context.readouts is not None:
                     outputs[Mode.ATTENTION] = decode_attention(q, cache.key, cache.value, cache.position,
                                                                cache.document_start)
         if self.linear_mixer is not None:
@@ -174,8 +176,8 @@ class OryxMixer(HeadModule):
             cache.recurrent_state.copy_(state)
         cache.advance(1)
         gate = x["g"][:, None]
-        if readouts is not None:
-            readouts.copy_(self._readouts(outputs[Mode.ATTENTION], outputs[Mode.LINEAR], gate)[:, 0])
+        if context.readouts is not None:
+            context.readouts.reads.append(self._readouts(outputs[Mode.ATTENTION], outputs[Mode.LINEAR], gate))
             outputs = {mode: outputs[mode] for mode in context.reads if mode in outputs}
         return self._output(self._gated_norm(self._select(outputs, context), gate))
 
@@ -205,31 +207,37 @@ class OryxMixer(HeadModule):
         ceil(s / chunk_size), h, 2, d_v] (``_readouts``; under context parallelism from this rank's tokens, every
         head gathered). Neither read depends on any token's mode (both
         memories absorb every token): in the first layer, whose input does not depend on modes either, they
-        are known before any mode is chosen."""
+        are known before any mode is chosen. A layer's forward computes them on the way when its context
+        carries ``RouterReadouts`` (what a router of more than one layer reads)."""
         self._require_both_mixers()
         x = self._streams(self.shard.cp.to_heads(self._projection(hidden)))  # stream -> [b, s, h (/ cp), d]
         for name in self.layout.conv_streams:
             x[name], _ = self._conv(x[name], name, None, documents)
         self._gate_keys_and_values(x)
+        linear, _ = self.linear_mixer(x, documents=documents)  # [b, s, h, d_v]
+        return self._chunk_readouts(x, linear, chunk_size, None if documents is None else documents.ids)
+
+    def _chunk_readouts(self, x: Dict[str, Tensor], linear: Tensor, chunk_size: int,
+                        document_ids: Optional[Tensor]) -> Tensor:
+        """``chunk_readouts`` from the convolved streams and the linear read [b, s, h, d_v] of a whole sequence."""
+        self._require_both_mixers()
         s = x["k"].shape[1]
         starts = torch.arange(0, s, chunk_size, device=x["k"].device)  # [n]
         q = self._rotary(x[self.layout.attention_query][:, starts], starts, s)  # [b, n, h, d_k]
-        document_ids = None if documents is None else documents.ids
         attention = attention_at(q, self._rotary(x["k"], slice(0, s), s), x["v"], starts, document_ids)
-        linear, _ = self.linear_mixer(x, documents=documents)  # [b, s, h, d_v]
         return self.shard.cp.all_heads(self._readouts(attention, linear[:, starts], x["g"][:, starts]))
 
     def step_readouts(self, hidden: Tensor, cache: MixerCache) -> Tensor:
         """``chunk_readouts`` of one new token at decode: hidden [b, 1, hidden] (the front end's layout) -> [b, 1,
         h, 2, d_v], the cache left as it was (the token's own step follows, with the mode decided from these)."""
         self._require_both_mixers()
-        readouts = hidden.new_empty(cache.document_start.shape[0], self.num_heads, 2, self.d_v)
+        readouts = RouterReadouts(chunk_size=1)
         snapshot = cache.snapshot()
         try:  # the step writes the token's key and value, which its real step rewrites
-            self.step(hidden, READ_LINEAR, cache, readouts)
+            self.step(hidden, MixerContext(Mode.LINEAR, frozenset((Mode.LINEAR,)), readouts=readouts), cache)
         finally:
             cache.restore(snapshot)
-        return readouts[:, None]
+        return readouts.reads[0]
 
     def _require_both_mixers(self) -> None:
         if not self.config.is_multi_mixer:

@@ -7,6 +7,7 @@ every layer receives (the same modes apply to every layer for a token). Pipeline
 layers (``pre_process``/``post_process`` as in megatron's GPTModel).
 """
 
+import dataclasses
 from functools import partial
 from typing import List, Optional
 
@@ -31,8 +32,7 @@ from torch import Tensor
 from oryx_megatron.config import Mode
 from oryx_megatron.layers.config import OryxConfig
 from oryx_megatron.layers.router import ParallelChunkRouter
-from oryx_megatron.mixer import MixerCache, MixerContext
-from oryx_megatron.ops import Documents
+from oryx_megatron.mixer import MixerCache, MixerContext, RouterReadouts
 
 
 def _build_layer(layer_spec: ModuleSpec, config: OryxConfig, layer_number: int):
@@ -192,14 +192,15 @@ class OryxModel(LanguageModule):
         empty): the pass is a prefill, its states left there for ``route_step``."""
         layers = self._routed_layers()
         hidden = self.embedding(input_ids, position_ids=None)  # [s, b, hidden]
-        documents = None if document_ids is None else Documents(document_ids)
-        linear = MixerContext.build(self.config, Mode.LINEAR, document_ids)
-        reads = []
+        readouts = RouterReadouts(chunk_size)
+        linear = dataclasses.replace(MixerContext.build(self.config, Mode.LINEAR, document_ids), readouts=readouts)
         for i, layer in enumerate(layers):
-            reads.append(layer.mixer.chunk_readouts(layer.input_layernorm(hidden), chunk_size, documents))
-            if router_cache is not None or i + 1 < len(layers):
+            if router_cache is None and i + 1 == len(layers):  # the reads only: the layer's output is not needed
+                readouts.reads.append(layer.mixer.chunk_readouts(layer.input_layernorm(hidden), chunk_size,
+                                                                 linear.documents))
+            else:  # the layer's all-linear forward, which leaves its reads in ``readouts`` on the way
                 hidden = layer(hidden, linear, None if router_cache is None else router_cache[i])
-        return self.router(torch.stack(reads, dim=3))  # [b, n, h, layers, 2, d_v]: split with the heads
+        return self.router(readouts.stacked())  # [b, n, h, layers, 2, d_v]: split with the heads
 
     def route_step(self, input_ids: Tensor, inference_cache: List[MixerCache],
                    router_cache: Optional[List[MixerCache]] = None) -> Tensor:
@@ -208,14 +209,15 @@ class OryxModel(LanguageModule):
         or, with ``router_cache``, from the all-linear pass's, which the token then advances."""
         layers = self._routed_layers()
         hidden = self.embedding(input_ids, position_ids=None)  # [1, b, hidden]
-        caches = inference_cache[:1] if router_cache is None else router_cache
-        linear = MixerContext.build(self.config, Mode.LINEAR)
-        reads = []
-        for layer, cache in zip(layers, caches):
-            reads.append(layer.mixer.step_readouts(layer.input_layernorm(hidden), cache))
-            if router_cache is not None:
+        if router_cache is None:
+            readouts = RouterReadouts(1, [layers[0].mixer.step_readouts(layers[0].input_layernorm(hidden),
+                                                                        inference_cache[0])])
+        else:  # the all-linear pass's steps, which leave their reads in ``readouts`` on the way
+            readouts = RouterReadouts(1)
+            linear = dataclasses.replace(MixerContext.build(self.config, Mode.LINEAR), readouts=readouts)
+            for layer, cache in zip(layers, router_cache):
                 hidden = layer(hidden, linear, cache)
-        return self.router(torch.stack(reads, dim=3))
+        return self.router(readouts.stacked())
 
     def advance_router(self, input_ids: Tensor, router_cache: List[MixerCache]) -> None:
         """The all-linear pass of ``router_cache`` over a new token that starts no chunk: input_ids [b, 1]."""
