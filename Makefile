@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The same suite on the GPU machine's stack, on the CPU (README, "Tested combinations"): Python 3.12, torch 2.11
 # and the newest megatron-core of pyproject's range, in its own venv. torch 2.11 for Python 3.12 is a CUDA build

@@ -23,6 +23,8 @@ from oryx_megatron.experiments.tables import markdown_table, pivot_table, summar
 
 ROUTING = {"all_linear", "all_attention", "oracle", *(f"{kind}@{tag}" for kind in ("router", "random", "first", "last",
                                                                                   "entropy") for tag in ("0.1", "p0.5"))}
+JOINT_ROUTING = (ROUTING | {f"joint:{label}" for label in ROUTING if not label.endswith("@0.1")},
+                 ["accuracy", "attention_fraction", "se"], "routing.png")
 RETRIEVAL = ({"all_attention", "all_linear", "mixed"}, ["accuracy", "token_accuracy", "attention_fraction"],
              "accuracy.png")
 EXPERIMENTS = {  # name: (row labels of one model, metrics, plot)
@@ -37,8 +39,7 @@ EXPERIMENTS = {  # name: (row labels of one model, metrics, plot)
     "a2_sequence_mixing": RETRIEVAL,
     "niah": RETRIEVAL,
     "routing_small": (ROUTING, ["accuracy", "attention_fraction", "se"], "routing.png"),
-    "routing_scattered": (ROUTING | {f"joint:{label}" for label in ROUTING if not label.endswith("@0.1")},
-                          ["accuracy", "attention_fraction", "se"], "routing.png"),
+    "routing_scattered": JOINT_ROUTING,
 }
 ON_MQAR = ("e1_retrieval", "e3_mode_switch", "a2_sequence_mixing", "routing_small", "routing_scattered")
 REUSING = ("e3_mode_switch", "niah")  # evaluate runs of an earlier experiment (E1's, E2's)

@@ -143,8 +143,10 @@ def test_joint_routing_trains_the_router_holds_the_budget_price_and_resumes_exac
     losses = {d: [r["train/loss"] for r in rows[d] if "train/loss" in r] for d in rows}
     assert len(losses["a"]) == 6 and losses["a"] == losses["b"]
     prices = [r["router/price"] for r in rows["a"] if "router/price" in r]
-    fractions = [r["train/attention_fraction"] for r in rows["a"] if "train/attention_fraction" in r]
+    fractions = [r["router/attention_fraction"] for r in rows["a"] if "router/price" in r]  # drawn, of every token
     assert fractions[0] > 0.2 and prices[0] > 0  # p = 0.5 at first: more than the budget, so attention gets a price
+    for before, price, fraction in zip([0.0] + prices, prices, fractions):  # dual ascent on the logged fraction
+        assert price == pytest.approx(max(0.0, before + 0.5 * (fraction - 0.2)), abs=1e-6)
     trained, _ = load_model(str(tmp_path / "a" / "ckpt"))
     assert trained.router.fc2.weight.abs().sum() > 0 and float(trained.router.price) == prices[-1]
 
