@@ -23,7 +23,7 @@ from oryx_megatron.experiments.tables import markdown_table, pivot_table, summar
 
 ROUTING = {"all_linear", "all_attention", "oracle", *(f"{kind}@{tag}" for kind in ("router", "random", "first", "last",
                                                                                   "entropy") for tag in ("0.1", "p0.5"))}
-JOINT_ROUTING = (ROUTING | {f"joint:{label}" for label in ROUTING if not label.endswith("@0.1")},
+JOINT_ROUTING = (ROUTING | {f"joint:{label}" for label in ROUTING},
                  ["accuracy", "attention_fraction", "se"], "routing.png")
 RETRIEVAL = ({"all_attention", "all_linear", "mixed"}, ["accuracy", "token_accuracy", "attention_fraction"],
              "accuracy.png")

@@ -145,12 +145,22 @@ def test_bad_router_specs_give_one_named_line():
     model = build_model(plain, transformer_config(plain, params_dtype=torch.float32))
     with pytest.raises(ValueError, match=r"needs a model with a router \(model.router_hidden\)"):
         generate(model, [[1, 2, 3]], "router threshold=0.5", 2)
-    routed, _ = routed_model()
-    routed.router.calibration.fill_(torch.nan)
-    with pytest.raises(ValueError, match=r"'router budget=0.1' needs a calibrated router"):
-        generate(routed, [[1, 2, 3]], "router budget=0.1", 2)
     with pytest.raises(ValueError, match=r"router_hidden=8: a router .* mixers='gdn'"):
         transformer_config(tiny_args("gdn", router_hidden=8))
+
+
+def test_a_budget_of_an_uncalibrated_router_reads_where_p_reaches_one_half_under_the_quota():
+    """A joint router has no calibration (its price held it to its budget in training): `router budget=B`
+    reads it at p >= 0.5 under the quota, as `router threshold=0.5 budget=B` does."""
+    model, args = routed_model()
+    ids = tokens(args, b=4, s=64, seed=3)
+    model.router.calibration.fill_(torch.nan)
+    modes = route_modes(model, parse_schedule("router budget=0.25"), ids)
+    assert torch.equal(modes, route_modes(model, parse_schedule("router threshold=0.5 budget=0.25"), ids))
+    wanted = route_modes(model, parse_schedule("router threshold=0.5"), ids)  # about half the chunks
+    used, want = ((m == Mode.ATTENTION).view(4, -1, CHUNK)[..., 0].sum(1) for m in (modes, wanted))
+    assert bool((used <= 0.25 * 8 + 1).all()) and bool((want > used).any())  # the quota binds: 8 chunks, 0.25
+    assert bool(((modes == Mode.ATTENTION) <= (wanted == Mode.ATTENTION)).all())
 
 
 def test_the_router_is_in_the_checkpoint_and_counted(tmp_path):

@@ -56,8 +56,8 @@ class Experiment:
     # init_from: that run's checkpoint); the evaluation then reads the model with its router
     router: Optional[Dict[str, Any]] = None
     # oryx-train config of a joint router trained on from every tested run (router=joint, init_from: that run's
-    # checkpoint: the model trains on with the router choosing its modes); evaluated at eval's thresholds, its
-    # rows prefixed "joint:"
+    # checkpoint: the model trains on with the router choosing its modes); evaluated as the post-hoc one (its
+    # budgets at p >= 0.5 under their quota: a joint router has no calibration), its rows prefixed "joint:"
     joint: Optional[Dict[str, Any]] = None
     smoke: Dict[str, Any] = field(default_factory=dict)  # SMOKE_KEYS: merged in (train, eval) or replaced by --smoke
 

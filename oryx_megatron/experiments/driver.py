@@ -63,7 +63,7 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
                     logger.info("testing %s", name)
                     eval_dir = exp_dir / "evals" / name
                     eval_dir.mkdir(parents=True, exist_ok=True)
-                    result = evaluate(exp, net, run, eval_dir, joint=bool(prefix))
+                    result = evaluate(exp, net, run, eval_dir)
                     params = sum(p.numel() for p in net.parameters())
                     rows += [dict(variant=variant, model=model, seed=seed, run=name, params=params, lr=lr,
                                   **prefixed(row, prefix)) for row in result["rows"]]  # lr: the tested run's
@@ -97,12 +97,10 @@ def prefixed(row: dict, prefix: str) -> dict:
     return dict(row, schedule=prefix + row["schedule"], kind=kind)
 
 
-def evaluate(exp: Experiment, model, run: TrainConfig, out: Path, joint: bool = False) -> dict:
+def evaluate(exp: Experiment, model, run: TrainConfig, out: Path) -> dict:
     """The experiment's eval task on one trained model; mode_switch writes its CSV to ``out``. A joint router
-    (no calibration: no budgets) is read at the eval's thresholds."""
+    (no calibration) reads its budgets at p >= 0.5 under the budget's quota (inference/routing.py)."""
     task, kwargs = exp.eval["task"], eval_arguments(exp)
-    if joint:
-        kwargs["budgets"] = []
     if task == "mode_switch":
         kwargs["out"] = out
     if task in ("mqar", "niah"):

@@ -29,8 +29,8 @@ class ChunkDecisions:
         router = model.router
         self.chunk_size = schedule.chunk_size or model.config.router_chunk_size
         self.threshold = schedule.threshold
-        if self.threshold is None:  # a budget alone: its calibrated quantile, at least the router's own 0.5
-            self.threshold = max(BUDGET_THRESHOLD_FLOOR, router.budget_threshold(schedule.budget))
+        if self.threshold is None:  # a budget alone: its calibrated quantile (if any), at least the router's own 0.5
+            self.threshold = max(BUDGET_THRESHOLD_FLOOR, router.budget_threshold(schedule.budget) or 0.0)
         self.budget = schedule.budget
         self.used = torch.zeros(batch_size, dtype=torch.long, device=device)  # chunks that read attention
         self.decided = 0  # chunks decided so far

@@ -64,10 +64,8 @@ class ChunkRouter(nn.Module):
         """W1 f + b1: [b, n, features] -> [b, n, hidden]."""
         return self.fc1(features)
 
-    def budget_threshold(self, budget: float) -> float:
-        """The probability that (1 - budget) of the held-out chunks stay below: a budget's threshold."""
+    def budget_threshold(self, budget: float) -> Optional[float]:
+        """The probability that (1 - budget) of the held-out chunks stay below (post-hoc training calibrates
+        it), or None for a router without calibration (a joint router: its price held it to its budget)."""
         threshold = float(self.calibration[round((1 - budget) * 100)])
-        if threshold != threshold:
-            raise ValueError(f"'router budget={budget}' needs a calibrated router (router training writes its "
-                             "calibration); this one is not: use 'router threshold=P'")
-        return threshold
+        return None if threshold != threshold else threshold
