@@ -57,7 +57,8 @@ def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
     models = list(dict.fromkeys((r["variant"], r["model"]) for r in rows))
     tested = ["base"] + (["joint"] if any(r["schedule"].startswith("joint:") for r in rows) else [])
     fig = Figure(figsize=(5.0 * len(models), 3.8 * len(tested)))
-    axes = fig.subplots(len(tested), len(models), sharey=True, squeeze=False)
+    bounded = metric == "accuracy"  # from 0 to 1, one scale for all panels; a loss: each panel its own range
+    axes = fig.subplots(len(tested), len(models), sharey=bounded, squeeze=False)
     for row_axes, group in zip(axes, tested):
         for ax, (variant, model) in zip(row_axes, models):
             mine = [dict(r, kind=_base_kind(r)) for r in rows if (r["variant"], r["model"]) == (variant, model)
@@ -67,7 +68,7 @@ def plot_fractions(exp: Experiment, rows: List[dict], exp_dir: Path) -> Path:
             ax.set(xlabel="attention fraction (tokens)",
                    title=name + (": joint router (model trained on with it)" if group == "joint" else ""))
     values = [r[metric] for r in rows if r[metric] is not None]
-    if values and min(values) >= 0:  # accuracies: from 0 (to 1 when every point is 0)
+    if values and bounded:  # from 0 (to 1 when every point is 0)
         axes[0, 0].set_ylim(0, 1.1 * max(values) if max(values) > 0 else 1)
     for ax in axes[:, 0]:
         ax.set_ylabel(f"{metric} (mean over {len(exp.seeds)} seeds)")
