@@ -135,8 +135,8 @@ class PositionSchedule(InferenceSchedule):
 class RouterSchedule(InferenceSchedule):
     """Chunk c reads attention where the router's probability for it reaches the threshold: ``threshold``,
     or, for a ``budget`` (a fraction of the tokens) without one, the router's calibrated (1 - budget)
-    quantile (0.5 for a router without calibration, a joint one) but never below 0.5 (a router that wants attention on fewer chunks than the budget reads
-    those only, rather than the first ones that come). A budget adds a quota: no chunk reads attention once
+    quantile but never below 0.5 (a router that wants attention on fewer chunks than the budget reads
+    those only, rather than the first ones that come; a router without calibration, a joint one, reads 0.5). A budget adds a quota: no chunk reads attention once
     the chunks so far that did exceed budget x chunks so far + 1, so the budget a stretch of unwanted chunks
     leaves unspent carries forward to later ones. Decisions are made in order, each from the router's logit
     of that chunk alone (which reads only its first token and earlier ones): causal. ``chunk_size`` None:

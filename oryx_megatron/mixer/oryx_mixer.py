@@ -220,7 +220,6 @@ class OryxMixer(HeadModule):
     def _chunk_readouts(self, x: Dict[str, Tensor], linear: Tensor, chunk_size: int,
                         document_ids: Optional[Tensor]) -> Tensor:
         """``chunk_readouts`` from the convolved streams and the linear read [b, s, h, d_v] of a whole sequence."""
-        self._require_both_mixers()
         s = x["k"].shape[1]
         starts = torch.arange(0, s, chunk_size, device=x["k"].device)  # [n]
         q = self._rotary(x[self.layout.attention_query][:, starts], starts, s)  # [b, n, h, d_k]

@@ -103,7 +103,8 @@ class Trainer:
         self.iteration, self.total_iters = 0, train_iters(run)
         num_params = sum(p.numel() for chunk in self.model for p in chunk.parameters())
         self.tokens_per_iter = run.train.global_batch_size * run.data.seq_length
-        self.routed_since_log = 0  # joint routing: [tokens drawn to attention, tokens] of the steps since the last log
+        # joint routing: [tokens drawn to attention, tokens] of the steps since the last log line (None: none yet)
+        self.routed_since_log: Optional[torch.Tensor] = None
         self.matmul_params = _total_params(sum(flops.matmul_params(chunk) for chunk in self.model))
         self.metrics = MetricsLogger(self.is_logging_rank, run.logging, Path(self.output_dir),
                                      OmegaConf.to_container(OmegaConf.structured(run)))
@@ -231,15 +232,15 @@ class Trainer:
             dist.all_reduce(routed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             fraction = float(routed[0] / routed[1])
             router.price.copy_((router.price + r.price_lr * (fraction - r.budget)).clamp_min(0))
-            self.routed_since_log = self.routed_since_log + routed
+            self.routed_since_log = routed if self.routed_since_log is None else self.routed_since_log + routed
         return loss_sums, grad_norm
 
     def log(self, interval: "Interval") -> None:
         """Means over the steps since the last log line: losses, grad norm, LR, throughput, memory."""
         elapsed, world = interval.seconds_per_step(), dist.get_world_size()
         report = loss_metrics(interval.loss_sums, "train") if interval.grad_norms else {}  # all skipped: no loss
-        if self.run.router.mode == "joint" and torch.is_tensor(self.routed_since_log):
-            routed, self.routed_since_log = self.routed_since_log, 0  # drawn, of every token: what the price follows
+        if self.routed_since_log is not None:  # joint routing: drawn, of every token: what the price follows
+            routed, self.routed_since_log = self.routed_since_log, None
             report["router/attention_fraction"] = float(routed[0] / routed[1])
         step_flops = flops.train_step_flops(flops.step_shape(  # the attention term: the fraction of tokens read
             self.config, self.matmul_params, self.run.data.seq_length, self.run.train.global_batch_size,
