@@ -119,7 +119,7 @@ class RouterConfig:
     temperature: float = 0.1  # regression: the router's logit is fitted to (benefit - benefit_threshold) / temperature
     calibration_batches: int = 8  # held-out batches whose chunks calibrate the budget thresholds
     budget: float = 0.1  # joint: the fraction of tokens to read attention; its price adapts to hold it
-    price_lr: float = 0.1  # joint: step of the budget's price (dual ascent on attention fraction - budget)
+    price_lr: float = 0.1  # joint: step of the budget's price (dual ascent on the share of p >= 0.5 - budget)
 
 
 @dataclass

@@ -129,7 +129,8 @@ def test_oryx_eval_refuses_a_bad_router_spec_in_one_line(posthoc):
 
 def test_joint_routing_trains_the_router_holds_the_budget_price_and_resumes_exactly(corpus, tmp_path):
     """router=joint: modes drawn from the router, straight-through: its weights change, the price of
-    attention rises while the drawn fraction exceeds the budget, and a resumed run continues exactly
+    attention rises while the share of p >= 0.5 (what inference reads) exceeds the budget, and a resumed
+    run continues exactly
     (the draws come from the checkpointed RNG, the price from the checkpointed router)."""
     both = ["router=joint", "model.router_hidden=8", f"model.router_chunk_size={CHUNK}", "router.budget=0.2",
             "router.price_lr=0.5", "train.train_iters=6", "checkpoint.save_at_end=true", "optimizer.lr=1e-2"]
@@ -143,10 +144,13 @@ def test_joint_routing_trains_the_router_holds_the_budget_price_and_resumes_exac
     losses = {d: [r["train/loss"] for r in rows[d] if "train/loss" in r] for d in rows}
     assert len(losses["a"]) == 6 and losses["a"] == losses["b"]
     prices = [r["router/price"] for r in rows["a"] if "router/price" in r]
-    fractions = [r["router/attention_fraction"] for r in rows["a"] if "router/price" in r]  # drawn, of every token
-    assert fractions[0] > 0.2 and prices[0] > 0  # p = 0.5 at first: more than the budget, so attention gets a price
-    for before, price, fraction in zip([0.0] + prices, prices, fractions):  # dual ascent on the logged fraction
+    logged = [r for r in rows["a"] if "router/price" in r]
+    fractions = [r["router/read_fraction"] for r in logged]  # p >= 0.5, of every token
+    assert fractions[0] > 0.2 and prices[0] > 0  # p ~ 0.5 at first: more than the budget, so attention gets a price
+    for before, price, fraction in zip([0.0] + prices, prices, fractions):  # dual ascent on the logged share
         assert price == pytest.approx(max(0.0, before + 0.5 * (fraction - 0.2)), abs=1e-6)
+    drawn = [r["router/attention_fraction"] for r in logged]  # a ~ Bernoulli(p): another share than p >= 0.5's
+    assert all(0 <= d <= 1 for d in drawn) and drawn != fractions
     trained, _ = load_model(str(tmp_path / "a" / "ckpt"))
     assert trained.router.fc2.weight.abs().sum() > 0 and float(trained.router.price) == prices[-1]
 
@@ -159,8 +163,10 @@ def test_joint_routing_prices_every_token_and_counts_rounded_weights_as_attentio
     p = torch.full((1, 4), 0.3)
     weights = torch.tensor([[1.0, 0.0, 1.0, 1.0]]) + p - p.detach()  # 1 + 0.3 - 0.3 != 1 in fp32
     mask = torch.tensor([[0.0, 1.0, 0.0, 0.0]])  # one answer, reading linear
-    total, count, report = _loss(mask, weights, torch.full((1, 4), 2.0), attention_cost=0.5 * weights)
-    assert report["routed_tokens"].tolist() == [3, 4] and int(count) == 1
+    reads = torch.tensor([[True, False, False, True]])  # p >= 0.5: what inference would read
+    total, count, report = _loss(mask, weights, torch.full((1, 4), 2.0), attention_cost=0.5 * weights,
+                                 reads_at_inference=reads)
+    assert report["routed_tokens"].tolist() == [3, 2, 4] and int(count) == 1
     assert report["loss_sums"].tolist() == [2.0, 1.0, 0.0, 0.0]  # the LM loss's sums: the answer, linear
     assert float(total) == pytest.approx(2.0 + 0.5 * 3)  # the price of the three attention tokens
 

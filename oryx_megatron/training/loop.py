@@ -226,11 +226,11 @@ class Trainer:
         clip_grads(self.optimizer, grad_norm)
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
-        if self.run.router.mode == "joint":  # the price of attention rises while the fraction exceeds the budget
+        if self.run.router.mode == "joint":  # the price of attention rises while the read share exceeds the budget
             r, router = self.run.router, self.model[0].module.router
-            routed = torch.stack([report["routed_tokens"] for report in reports]).sum(0)  # of every token
+            routed = torch.stack([report["routed_tokens"] for report in reports]).sum(0)  # [drawn, p >= 0.5, all]
             dist.all_reduce(routed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            fraction = float(routed[0] / routed[1])
+            fraction = float(routed[1] / routed[2])  # what inference reads: the drawn share is ~mean p, not it
             router.price.copy_((router.price + r.price_lr * (fraction - r.budget)).clamp_min(0))
             self.routed_since_log = routed if self.routed_since_log is None else self.routed_since_log + routed
         return loss_sums, grad_norm
@@ -239,9 +239,10 @@ class Trainer:
         """Means over the steps since the last log line: losses, grad norm, LR, throughput, memory."""
         elapsed, world = interval.seconds_per_step(), dist.get_world_size()
         report = loss_metrics(interval.loss_sums, "train") if interval.grad_norms else {}  # all skipped: no loss
-        if self.routed_since_log is not None:  # joint routing: drawn, of every token: what the price follows
+        if self.routed_since_log is not None:  # joint routing, of every token: drawn (the FLOPs), p >= 0.5 (the price)
             routed, self.routed_since_log = self.routed_since_log, None
-            report["router/attention_fraction"] = float(routed[0] / routed[1])
+            report["router/attention_fraction"] = float(routed[0] / routed[2])
+            report["router/read_fraction"] = float(routed[1] / routed[2])
         step_flops = flops.train_step_flops(flops.step_shape(  # the attention term: the fraction of tokens read
             self.config, self.matmul_params, self.run.data.seq_length, self.run.train.global_batch_size,
             read_fraction=report.get("router/attention_fraction", report.get("train/attention_fraction", 1.0))))

@@ -58,7 +58,8 @@ def _routed_forward_step(chunk_size: int, data_iterator, model):
     the layers read with weights a + p - stop_gradient(p) (a in value: the LM loss reaches the router
     through attention read minus linear read, straight-through), and the loss adds the price of
     attention: price x each reading token's attention FLOPs (its position + 1, relative to the mean), over
-    every token (a task whose loss covers its answers only still pays for attention on its context)."""
+    every token (a task whose loss covers its answers only still pays for attention on its context).
+    The report counts the tokens with p >= 0.5 too: what inference reads, and what the price follows."""
     batch = get_batch(data_iterator, current_device())
     docs, s = batch.get("document_ids"), batch["tokens"].shape[1]
     flops = torch.arange(1, s + 1, device=batch["tokens"].device, dtype=torch.float32) / ((s + 1) / 2)  # mean 1
@@ -67,17 +68,19 @@ def _routed_forward_step(chunk_size: int, data_iterator, model):
     router = model.module.router
     p = torch.sigmoid(model.module.route(local["tokens"], chunk_size, docs).float())  # [b, n]: every chunk's
     weights = (torch.bernoulli(p.detach()) + p - p.detach()).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]
+    reads = (p.detach() >= 0.5).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]: the modes inference reads
     output = model(local["tokens"], labels=local["labels"], document_ids=docs, router_weights=weights)
-    local_weights = this_rank_tokens(weights=weights)["weights"]
-    return output, partial(_loss, local["loss_mask"], local_weights,
-                           attention_cost=router.price.float() * local_weights * local["flops"])
+    routed = this_rank_tokens(weights=weights, reads=reads)
+    return output, partial(_loss, local["loss_mask"], routed["weights"], reads_at_inference=routed["reads"],
+                           attention_cost=router.price.float() * routed["weights"] * local["flops"])
 
 
-def _loss(loss_mask, modes, per_token_loss, attention_cost=None):
+def _loss(loss_mask, modes, per_token_loss, attention_cost=None, reads_at_inference=None):
     """Token-summed loss and token count (megatron divides by the global count), plus the
     sums over attention-mode tokens for per-mode logging. ``attention_cost`` [b, s] (router=joint):
     added to the loss, summed over every token (the reported sums stay the LM loss's), and the report
-    adds ``routed_tokens``: [tokens reading attention, tokens], every token counted."""
+    adds ``routed_tokens``: [tokens reading attention (drawn), tokens with p >= 0.5
+    (``reads_at_inference`` [b, s], bool), tokens], every token counted."""
     mask = loss_mask.float()
     losses = per_token_loss.float() * mask
     # joint routing's weights are a + p - p.detach(): 0/1 up to rounding (1 + p - p is not always 1)
@@ -87,7 +90,8 @@ def _loss(loss_mask, modes, per_token_loss, attention_cost=None):
     report = torch.stack([total, count, (losses * attention).sum(), attention.sum()]).detach()
     if attention_cost is None:
         return total, count.int(), {"loss_sums": report}
-    routed = torch.tensor([reads_attention.sum(), reads_attention.numel()], dtype=torch.float64, device=mask.device)
+    routed = torch.tensor([reads_attention.sum(), reads_at_inference.sum(), reads_attention.numel()],
+                          dtype=torch.float64, device=mask.device)
     return total + attention_cost.sum(), count.int(), {"loss_sums": report, "routed_tokens": routed}
 
 
