@@ -38,8 +38,9 @@ def test_megatron_checkpoint_gives_the_logits_it_gave(single_process_parallel, f
             got["router_logits"] = model.route(ids, 8)
             got["router_logits_documents"] = model.route(ids, 8, docs)
     assert set(got) == set(expected) - {"ids", "modes", "document_ids"}
-    for name, logits in got.items():
-        assert torch.equal(logits, expected[name]), f"{family} {name}: {(logits - expected[name]).abs().max()}"
+    for name, logits in got.items():  # fp32 rounding of another CPU's kernels: seen up to 5e-7 (logits ~0.5)
+        gap = (logits - expected[name]).abs().max()
+        assert logits.shape == expected[name].shape and gap <= 2e-6, f"{family} {name}: {gap}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
