@@ -15,8 +15,7 @@ from torch import Tensor
 
 from oryx_megatron.config import Mode
 from oryx_megatron.inference.schedules import RouterSchedule
-
-BUDGET_THRESHOLD_FLOOR = 0.5  # a budget's threshold is never below p = 0.5 (docs/routing.md, issue #32)
+from oryx_megatron.mixer.router import ROUTER_THRESHOLD
 
 
 class ChunkDecisions:
@@ -30,7 +29,7 @@ class ChunkDecisions:
         self.chunk_size = schedule.chunk_size or model.config.router_chunk_size
         self.threshold = schedule.threshold
         if self.threshold is None:  # a budget alone: its calibrated quantile (if any), at least the router's own 0.5
-            self.threshold = max(BUDGET_THRESHOLD_FLOOR, router.budget_threshold(schedule.budget) or 0.0)
+            self.threshold = max(ROUTER_THRESHOLD, router.budget_threshold(schedule.budget) or 0.0)
         self.budget = schedule.budget
         self.used = torch.zeros(batch_size, dtype=torch.long, device=device)  # chunks that read attention
         self.decided = 0  # chunks decided so far

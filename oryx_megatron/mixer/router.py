@@ -33,6 +33,11 @@ from torch import Tensor, nn
 from oryx_megatron.config import MixerConfig
 
 
+# p(attention) from which a chunk reads attention of the router's own accord: the floor of a budget's threshold
+# (inference/routing.py) and the share a joint router's price holds to its budget (training/steps.py)
+ROUTER_THRESHOLD = 0.5
+
+
 def router_features(config: MixerConfig) -> int:
     """The router's inputs per chunk: per head and routed layer, the two reads (d_v each)."""
     return config.num_attention_heads * config.router_layers * 2 * config.value_head_dim

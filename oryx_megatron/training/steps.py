@@ -16,6 +16,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from oryx_megatron.config import Mode
+from oryx_megatron.mixer.router import ROUTER_THRESHOLD
 from oryx_megatron.parallel import current_device, this_rank_tokens
 from oryx_megatron.run_config import TrainConfig
 
@@ -68,7 +69,7 @@ def _routed_forward_step(chunk_size: int, data_iterator, model):
     router = model.module.router
     p = torch.sigmoid(model.module.route(local["tokens"], chunk_size, docs).float())  # [b, n]: every chunk's
     weights = (torch.bernoulli(p.detach()) + p - p.detach()).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]
-    reads = (p.detach() >= 0.5).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]: the modes inference reads
+    reads = (p.detach() >= ROUTER_THRESHOLD).repeat_interleave(chunk_size, dim=1)[:, :s]  # [b, s]: the modes inference reads
     output = model(local["tokens"], labels=local["labels"], document_ids=docs, router_weights=weights)
     routed = this_rank_tokens(weights=weights, reads=reads)
     return output, partial(_loss, local["loss_mask"], routed["weights"], reads_at_inference=routed["reads"],
