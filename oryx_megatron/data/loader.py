@@ -18,7 +18,6 @@ are cached per source, so batches do not depend on ``num_workers``.
 """
 
 import collections
-import io
 import tarfile
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 
 from oryx_megatron.data.documents import document_ids
 from oryx_megatron.data.modes import ModeSchedule, build_mode_schedule
-from oryx_megatron.data.shards import Manifest, Part, ShardInfo, read_documents
+from oryx_megatron.data.shards import Manifest, Part, ShardInfo, read_documents, read_npy
 
 # Tags that keep the seeded generators of different purposes apart.
 _DOCUMENT_ORDER, _SAMPLE_ORDER = 2, 3
@@ -87,7 +86,7 @@ def _read_lengths(path: Path, shard: ShardInfo) -> np.ndarray:
                     raise ValueError(f"member {member.name!r} ends at byte {member.offset_data + member.size}, "
                                      f"the file has {size}: the shard is truncated")
                 if member.name.endswith(".lengths.npy"):
-                    lengths.append(np.load(io.BytesIO(tar.extractfile(member).read())))
+                    lengths.append(read_npy(tar.extractfile(member).read()))
     except (tarfile.TarError, OSError, ValueError) as e:
         raise ValueError(f"cannot read shard {path}: {e}") from None
     lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)

@@ -11,6 +11,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 from typing import List, NamedTuple, Optional
@@ -182,13 +183,29 @@ class ShardWriter:
         return ShardInfo(self.path.name, self.documents, self.tokens)
 
 
+# The header np.save writes for a 1-D array (format 1.0: magic, version, 2-byte length, then this dict).
+_NPY_1D_HEADER = re.compile(rb"\{'descr': '([<>|=][a-z]\d+)', 'fortran_order': False, 'shape': \((\d+),\), \}\s*")
+
+
+def read_npy(data: bytes) -> np.ndarray:
+    """``np.load`` of a shard member, a 1-D array in np.save's format 1.0, without numpy's header parser: that
+    parser is ``ast.literal_eval``, which on CPython < 3.11.8 can fail with a spurious "SystemError: AST
+    constructor recursion depth mismatch" when a garbage collection releases the GIL mid-parse (cpython
+    gh-106905), as it did in a loader worker. Any other header goes to ``np.load``."""
+    header = _NPY_1D_HEADER.fullmatch(data[10:10 + int.from_bytes(data[8:10], "little")])
+    if data[:8] != b"\x93NUMPY\x01\x00" or header is None:
+        return np.load(io.BytesIO(data))
+    return np.frombuffer(data, np.dtype(header[1].decode()), int(header[2]),
+                         10 + int.from_bytes(data[8:10], "little"))
+
+
 def read_documents(path) -> List[np.ndarray]:
     """The documents of one shard, in order (views into the blocks' token arrays)."""
     docs = []
     try:
         for sample in tarfile_samples([{"url": str(path)}]):
-            tokens = np.load(io.BytesIO(sample["tokens.npy"]))
-            lengths = np.load(io.BytesIO(sample["lengths.npy"]))
+            tokens = read_npy(sample["tokens.npy"])
+            lengths = read_npy(sample["lengths.npy"])
             if lengths.sum() != len(tokens):
                 raise ValueError(f"block {sample['__key__']!r}: lengths do not add up to the token count")
             docs.extend(np.split(tokens, np.cumsum(lengths)[:-1]))

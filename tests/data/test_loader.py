@@ -151,3 +151,27 @@ def test_errors_name_the_problem(dataset, tmp_path):
     with pytest.raises(ValueError, match="loader state has seq_len=64, this loader has seq_len=32"):
         loader.load_state_dict({**loader.state_dict(), "seq_len": 64})
     assert Manifest.read(dataset.root) == dataset
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.int64])
+@pytest.mark.parametrize("length", [0, 1, 4097])
+def test_shard_members_are_read_without_numpys_header_parser(dtype, length, monkeypatch):
+    """read_npy gives np.load's array without ast.literal_eval (CPython < 3.11.8's SystemError under threads);
+    other headers (here 2-D) still go to np.load."""
+    import ast
+    import io
+
+    from oryx_megatron.data.shards import read_npy
+
+    def saved(array):
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        return buffer.getvalue()
+
+    one_d = np.arange(length).astype(dtype)
+    two_d = np.arange(6, dtype=dtype).reshape(2, 3)
+    monkeypatch.setattr(ast, "literal_eval", lambda _: pytest.fail("np.load's header parser was called"))
+    got = read_npy(saved(one_d))
+    assert got.dtype == one_d.dtype and np.array_equal(got, one_d)
+    monkeypatch.undo()
+    assert np.array_equal(read_npy(saved(two_d)), two_d)
