@@ -8,7 +8,6 @@ oryx-prep), tests/test_hf_checkpoints.py (oryx-export, oryx-import), tests/test_
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from hydra.errors import MissingConfigException
 
 from oryx_megatron.cli import evaluate, experiment, export_hf, generate, import_hf, params, prep
 from oryx_megatron.cli.errors import InputError, one_line
+from tests.processes import run_cli
 from tests.faults.test_bad_input import without_torch_warnings
 from tests.test_train import TINY_MODEL, TINY_TRAIN
 
@@ -84,9 +84,8 @@ def test_one_line_names_the_file_the_key_and_the_options():
 
 
 def train(tmp_path, *overrides):
-    out = subprocess.run([sys.executable, "-m", "oryx_megatron.cli.train", *TINY_MODEL, *TINY_TRAIN, *overrides,
-                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, env=ENV)
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.train", *TINY_MODEL, *TINY_TRAIN, *overrides,
+                   f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=ENV)
     return out.returncode, without_torch_warnings(out.stderr).splitlines()
 
 
@@ -116,7 +115,7 @@ def test_train_ends_an_error_inside_pretrain_as_one_line(corpus, tiny_checkpoint
 
 @pytest.mark.parametrize("script", ["oryx_megatron.cli.generate", "oryx_megatron.cli.evaluate"])
 def test_help_names_the_router_schedules_with_an_example_each(script):
-    out = subprocess.run([sys.executable, "-m", script, "--help"], capture_output=True, text=True, timeout=120)
+    out = run_cli([sys.executable, "-m", script, "--help"])
     assert out.returncode == 0
     assert "router threshold=P" in out.stdout and "router budget=B [chunk_size=N]" in out.stdout
     assert re.search(r"threshold=0\.5", out.stdout) and re.search(r"budget=0\.1", out.stdout)

@@ -2,7 +2,6 @@
 
 import re
 import resource
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 
 from oryx_megatron.models.match_width import matched_ffn, parameter_count, with_ffn
 from oryx_megatron.models.params import load_model_args, parameter_report
+from tests.processes import run_cli
 
 SCALES = ["130m", "370m", "760m", "1_4b"]
 NOMINAL = {"130m": 130e6, "370m": 370e6, "760m": 760e6, "1_4b": 1.4e9}
@@ -40,7 +40,7 @@ def test_baselines_match_the_oryx_parameter_count(scale):
 
 def test_cli_prints_shared_fraction_without_allocating_weights():
     script = Path(sys.executable).with_name("oryx-params")
-    out = subprocess.run([str(script), "model=oryx_tg_1_4b"], capture_output=True, text=True, check=True).stdout
+    out = run_cli([script, "model=oryx_tg_1_4b"], check=True).stdout
     assert re.search(r"^total_params=1,3\d\d,\d{3},\d{3}$", out, re.M), out
     fraction = float(re.search(r"^shared_fraction=([0-9.]+)$", out, re.M).group(1))
     assert fraction >= 0.90
@@ -89,7 +89,7 @@ def test_the_mixer_alone_ties_about_80_percent(scale):
 
 def test_cli_labels_both_fractions():
     script = Path(sys.executable).with_name("oryx-params")
-    out = subprocess.run([str(script), "model=tiny_oryx_tg", *HAND], capture_output=True, text=True, check=True).stdout
+    out = run_cli([script, "model=tiny_oryx_tg", *HAND], check=True).stdout
     assert "# whole model: parameters both modes use / all parameters the mode uses" in out
     assert "# mixer alone: shared mixer parameters / mixer parameters the mode uses" in out
     for line in ("tied_fraction[linear]=0.9302", "shared_fraction=0.9302", "mixer_tied_fraction[attention]=0.8367",

@@ -3,7 +3,6 @@ forwards, training changes the router and nothing else, the checkpoint carries i
 oryx-generate runs a router budget schedule on it end to end."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.run_config import RouterConfig
 from oryx_megatron.training.loop import pretrain
 from oryx_megatron.training.router import chunk_means, router_loss, router_targets
+from tests.processes import run_cli
 from tests.test_train import run_config
 
 CHUNK = 16
@@ -91,9 +91,9 @@ def test_oryx_generate_runs_a_router_budget_schedule(posthoc):
     """Threshold 0 under the budget: every chunk wants attention, the quota alone decides (a 12-step router's
     own p may stay below 0.5 on this prompt, where a budget alone reads nothing)."""
     _, tmp = posthoc
-    out = subprocess.run([sys.executable, "-m", "oryx_megatron.cli.generate", str(tmp / "ckpt"), "--prompt",
-                          "def main(" * 3, "--max-new-tokens", "36", "--schedule", "router budget=0.25 threshold=0"],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.generate", str(tmp / "ckpt"), "--prompt",
+                   "def main(" * 3, "--max-new-tokens", "36", "--schedule", "router budget=0.25 threshold=0"],
+                  cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-2000:]
     assert "schedule: router threshold=0.0 budget=0.25" in out.stdout
     fraction = float(next(line for line in out.stdout.splitlines() if line.startswith("attention-token fraction"))
@@ -120,8 +120,8 @@ def test_eval_tasks_add_a_router_row_and_curve(posthoc, tmp_path):
 
 def test_oryx_eval_refuses_a_bad_router_spec_in_one_line(posthoc):
     _, tmp = posthoc
-    out = subprocess.run([sys.executable, "-m", "oryx_megatron.cli.evaluate", str(tmp / "ckpt"), "--task", "ppl",
-                          "--router", "budget=2"], capture_output=True, text=True, timeout=120)
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.evaluate", str(tmp / "ckpt"), "--task", "ppl",
+                   "--router", "budget=2"])
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         "oryx-eval: error: argument --router: inference schedule 'router budget=2.0': budget=2.0 is not in [0, 1]")

@@ -1,6 +1,7 @@
 """Bad input gets one named error line before any work, and leaves nothing behind (docs/reliability.md).
 
-Each case runs the CLI in a subprocess and asserts the exact error line, the exit code, that no
+Each case runs the CLI as its own process (tests/processes.py: forked from a server that imported torch and
+megatron-core once) and asserts the exact error line, the exit code, that no
 run directory / output directory / ``.tmp`` file is left, and (oryx-train) that no model was built.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import run_cli
 from tests.test_train import TINY_MODEL, TINY_TRAIN
 
 BIN = Path(sys.executable).parent
@@ -36,7 +38,7 @@ def without_torch_warnings(stderr: str) -> str:
 
 def run(args, cwd, timeout=120):
     start = time.perf_counter()
-    out = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    out = run_cli(args, cwd=cwd, env=ENV, timeout=timeout)
     out.stderr = without_torch_warnings(out.stderr)
     return out, time.perf_counter() - start
 

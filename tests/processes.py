@@ -1,0 +1,94 @@
+"""Processes for tests, forked from one server that imported torch, megatron-core and the package once
+(multiprocessing's forkserver, FORKSERVER) instead of new interpreters, which spend ~5 s each on those imports on
+2 cores: the ranks of tests/distributed.py, and ``run_cli``, a command of this package with the same exit code,
+stdout and stderr as ``subprocess.run(args, capture_output=True, text=True)``. Each process is still a fresh fork
+(no state of the test's process or of other tests); tests of the installed scripts themselves (test_wheel) and
+of a process's own start (signals, torchrun) still start real interpreters."""
+
+import atexit
+import multiprocessing as mp
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import traceback
+import warnings
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+# What every command and rank imports (not the command modules themselves: ``runpy`` runs those afresh as __main__).
+PRELOAD = ["hydra", "megatron.core", "oryx_megatron.run_config", "oryx_megatron.training.loop",
+           "oryx_megatron.inference.checkpoint", "oryx_megatron.cli.errors"]
+FORKSERVER = mp.get_context("forkserver")
+FORKSERVER.set_forkserver_preload(PRELOAD)
+
+
+def enter(env: Dict[str, str], cwd: str) -> None:
+    """A forked process takes the environment and directory of the test that started it, not the server's."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+
+
+def _command(args: Sequence[str]):
+    """(module, function or None, argv[0]) of ``[python, -m, module, ...]`` or ``[.../oryx-x, ...]``."""
+    if Path(args[0]).name.startswith("python") and args[1] == "-m":
+        return args[2], None, args[2], list(args[3:])
+    script = Path(args[0]).name
+    (point,) = entry_points(group="console_scripts", name=script)
+    return point.module, point.attr, str(args[0]), list(args[1:])
+
+
+def _child(args, cwd, env, out_path, err_path):
+    module, function, argv0, argv = _command(args)
+    enter(env, cwd)
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY)
+        os.dup2(target, fd)
+        os.close(target)
+    if env.get("PYTHONWARNINGS"):
+        warnings.simplefilter(env["PYTHONWARNINGS"])
+    sys.argv = [argv0, *argv]
+    code = 0
+    try:
+        if function is None:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:  # what a console script's wrapper does
+            code = getattr(__import__(module, fromlist=[function]), function)()
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()  # as the interpreter's exit would
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def run_cli(args: Sequence, cwd=None, env: Optional[Dict[str, str]] = None, timeout: float = 300,
+            check: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    check=check)`` for a ``python -m oryx_megatron...`` or installed ``oryx-*`` command."""
+    args = [str(a) for a in args]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        proc = FORKSERVER.Process(target=_child, args=(args, str(cwd or os.getcwd()), dict(env or os.environ),
+                                                    str(out), str(err)))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(args, timeout, out.read_text(), err.read_text())
+        done = subprocess.CompletedProcess(args, proc.exitcode, out.read_text(), err.read_text())
+    if check:
+        done.check_returncode()
+    return done
