@@ -33,9 +33,12 @@ def enter(env: Dict[str, str], cwd: str) -> None:
 
 
 def _command(args: Sequence[str]):
-    """(module, function or None, argv[0]) of ``[python, -m, module, ...]`` or ``[.../oryx-x, ...]``."""
-    if Path(args[0]).name.startswith("python") and args[1] == "-m":
-        return args[2], None, args[2], list(args[3:])
+    """(module or script path, function or None, argv[0], argv) of ``[python, -m, module, ...]``,
+    ``[python, script.py, ...]`` or ``[.../oryx-x, ...]``."""
+    if Path(args[0]).name.startswith("python"):
+        if args[1] == "-m":
+            return args[2], None, args[2], list(args[3:])
+        return args[1], None, args[1], list(args[2:])
     script = Path(args[0]).name
     (point,) = entry_points(group="console_scripts", name=script)
     return point.module, point.attr, str(args[0]), list(args[1:])
@@ -53,7 +56,9 @@ def _child(args, cwd, env, out_path, err_path):
     sys.argv = [argv0, *argv]
     code = 0
     try:
-        if function is None:
+        if function is None and module.endswith(".py"):
+            runpy.run_path(module, run_name="__main__")
+        elif function is None:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:  # what a console script's wrapper does
             code = getattr(__import__(module, fromlist=[function]), function)()

@@ -3,7 +3,6 @@ model it counts with: tests/test_flops.py)."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks.bench_train_step import COLUMNS, main, packed_documents
+from tests.processes import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ def test_cpu_toy_run_prints_every_family_and_the_baseline_ratio(tmp_path):
     command = [sys.executable, "benchmarks/bench_train_step.py", "--model-size", "tiny", "--seq", "256",
                "--micro-batch", "2", "--repeats", "2", "--json", str(out)]
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="offline")
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = run_cli(command, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     header = lines.index(next(line for line in lines if line.startswith("model ")))
@@ -47,7 +47,7 @@ def test_recomputation_rows_report_the_activations_they_save(tmp_path):
                "--seq", "128", "--chunk", "64", "--repeats", "1", "--recompute", "none", "selective", "full",
                "--json", str(out), "--profile", str(tmp_path / "profile")]
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", WANDB_MODE="offline")
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = run_cli(command, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     profiles = sorted(p.name for p in (tmp_path / "profile").iterdir())
     assert profiles == sorted(f"{m}-{r}.txt" for m in ("transformer", "oryx_tg-p0.5") for r in ("none", "selective", "full"))
