@@ -14,7 +14,7 @@ import time
 import pytest
 
 from oryx_megatron.checks import provenance
-from oryx_megatron.checks.session import driver, outputs, plan, probes
+from oryx_megatron.checks.session import driver, outputs, plan, probes, runner
 from oryx_megatron.checks.session.runner import run_stage
 
 STAGES = ["parity", "training", "train_step", "inference", "training_rest", "train_reset", "train_1_4b"]
@@ -142,11 +142,12 @@ def test_a_stage_cut_mid_way_keeps_its_rows_and_the_session_keeps_its_deadline(t
     """A stage that wrote two rows (the second only once results.json showed the first: rows come home
     while it runs) and then hangs, ignoring SIGTERM, is killed at its limit with both rows kept; the next
     stage runs; a last one that hangs is killed too; the session ends by its deadline."""
-    work, deadline = tmp_path / "work", 24
-    stages = [plan.Stage("cut", 8, tuple(_writes_rows(work / "cut.json", [1, 2], HANG)), "cut.json"),
-              plan.Stage("after", 6, tuple(_writes_rows(work / "after.json", ["a"], "")), "after.json"),
-              plan.Stage("stuck", 6, tuple(_writes_rows(work / "stuck.json", [], HANG)), "stuck.json")]
+    work, deadline = tmp_path / "work", 12
+    stages = [plan.Stage("cut", 4, tuple(_writes_rows(work / "cut.json", [1, 2], HANG)), "cut.json"),
+              plan.Stage("after", 3, tuple(_writes_rows(work / "after.json", ["a"], "")), "after.json"),
+              plan.Stage("stuck", 3, tuple(_writes_rows(work / "stuck.json", [], HANG)), "stuck.json")]
     monkeypatch.setattr(plan, "stages", lambda toy: stages)
+    monkeypatch.setattr(runner, "POLL_S", 0.5)  # rows folded in every 0.5 s, not 2 s: the limits can be short
     monkeypatch.setattr(plan, "PROBES_CAP_S", 1)
     monkeypatch.setattr(plan, "GRACE_S", 1)
     monkeypatch.setattr(plan, "MIN_STAGE_S", 1)
@@ -156,9 +157,9 @@ def test_a_stage_cut_mid_way_keeps_its_rows_and_the_session_keeps_its_deadline(t
     assert code == 1 and time.perf_counter() - start < deadline + 3
     found = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
     assert (found["cut"]["exit"], found["cut"]["results"]) == (124, {"rows": [1, 2]})
-    assert found["cut"]["limit"] >= 8 - 1 and found["cut"]["seconds"] >= found["cut"]["limit"]
+    assert found["cut"]["limit"] >= 4 - 1 and found["cut"]["seconds"] >= found["cut"]["limit"]
     assert (found["after"]["exit"], found["after"]["results"]) == (0, {"rows": ["a"]})
-    assert found["stuck"]["exit"] == 124 and found["stuck"]["limit"] >= 6 - 1
+    assert found["stuck"]["exit"] == 124 and found["stuck"]["limit"] >= 3 - 1
 
 
 def test_a_stage_past_its_limit_is_killed_even_if_it_ignores_sigterm(tmp_path):
