@@ -120,6 +120,9 @@ class RouterConfig:
     calibration_batches: int = 8  # held-out batches whose chunks calibrate the budget thresholds
     budget: float = 0.1  # joint: the fraction of tokens to read attention; its price adapts to hold it
     price_lr: float = 0.1  # joint: step of the budget's price (dual ascent on the share of p >= 0.5 - budget)
+    # joint: the router's gradient: "straight_through" (the LM loss's derivative in the read's weight) or
+    # "score_function" (REINFORCE: log P(drawn mode) x each token's loss and price, less the batch's mean there)
+    estimator: str = "straight_through"
 
 
 @dataclass
@@ -259,6 +262,9 @@ def _check_router(run: TrainConfig) -> None:
         if not 0 < r.budget < 1 or r.price_lr < 0:
             raise ConfigError(f"config keys 'router.budget' / 'router.price_lr': {r.budget} must be in (0, 1), "
                               f"{r.price_lr} >= 0")
+        if r.estimator not in ("straight_through", "score_function"):
+            raise ConfigError(f"config key 'router.estimator': {r.estimator!r}; expected 'straight_through' or "
+                              "'score_function'")
         return
     if not r.init_from:
         raise ConfigError("config key 'router.init_from': router.mode=posthoc fits the router of a trained model: "

@@ -11,7 +11,7 @@ import torch
 
 from oryx_megatron.config import Mode
 from oryx_megatron.inference.checkpoint import load_model
-from oryx_megatron.run_config import RouterConfig
+from oryx_megatron.run_config import ConfigError, RouterConfig
 from oryx_megatron.training.loop import pretrain
 from oryx_megatron.training.router import chunk_means, router_loss, router_targets
 from tests.processes import run_cli
@@ -169,6 +169,44 @@ def test_joint_routing_prices_every_token_and_counts_rounded_weights_as_attentio
     assert report["routed_tokens"].tolist() == [3, 2, 4] and int(count) == 1
     assert report["loss_sums"].tolist() == [2.0, 1.0, 0.0, 0.0]  # the LM loss's sums: the answer, linear
     assert float(total) == pytest.approx(2.0 + 0.5 * 3)  # the price of the three attention tokens
+
+
+def test_the_score_function_estimator_adds_zero_to_the_loss_and_reinforce_to_the_router():
+    """router.estimator=score_function: the loss's value is the straight-through one's (LM loss and price);
+    its gradient in the router's logits is d log P(drawn) x (each token's loss and price - the batch's mean at
+    its position), summed over the tokens of each chunk."""
+    from oryx_megatron.training.steps import _loss
+
+    logits = torch.tensor([[0.3, -1.0], [2.0, 0.5]], dtype=torch.float64, requires_grad=True)  # [b=2, n=2 chunks]
+    drawn = torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    log_prob = torch.where(drawn > 0, torch.nn.functional.logsigmoid(logits), torch.nn.functional.logsigmoid(-logits))
+    modes, log_prob = drawn.repeat_interleave(2, dim=1), log_prob.repeat_interleave(2, dim=1)  # chunks of 2 tokens
+    per_token_loss = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.5, 1.5, 2.5, 3.5]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 1.0]])
+    cost = 0.25 * modes
+    total, count, report = _loss(mask, modes, per_token_loss, attention_cost=cost, reads_at_inference=modes > 0.5,
+                                 log_prob=log_prob)
+    assert float(total.detach()) == pytest.approx(float((per_token_loss * mask).sum() + cost.sum())) and int(count) == 6
+    total.backward()
+    r = (per_token_loss * mask + cost).view(2, 2, 2).sum(-1)  # [b, n]: each chunk's losses and price
+    baseline = (per_token_loss * mask + cost).mean(0).view(2, 2).sum(-1)  # the batch's mean, per position, summed
+    p = torch.sigmoid(logits.detach())
+    expected = torch.where(drawn > 0, 1 - p, -p) * (r - baseline)  # d log P(drawn) / d logit x advantage
+    assert torch.allclose(logits.grad, expected, atol=1e-12)
+
+
+def test_joint_routing_with_the_score_function_trains_the_router_and_refuses_another_estimator(corpus, tmp_path):
+    run = run_config(corpus, tmp_path, "router=joint", "router.estimator=score_function", "model.router_hidden=8",
+                     f"model.router_chunk_size={CHUNK}", "router.budget=0.2", "train.train_iters=3",
+                     "checkpoint.save_at_end=true", "optimizer.lr=1e-2")
+    assert pretrain(run, str(tmp_path / "out")) == 0
+    trained, _ = load_model(str(tmp_path / "ckpt"))
+    assert trained.router.fc2.weight.abs().sum() > 0  # zero at the start: the router's gradient reached it
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["router/read_fraction"] <= 1 for r in rows if "router/read_fraction" in r)
+    with pytest.raises(ConfigError, match="config key 'router.estimator': 'reinforce'; expected 'straight_through' "
+                                          "or 'score_function'"):
+        run_config(corpus, tmp_path / "bad", "router=joint", "router.estimator=reinforce", "model.router_hidden=8")
 
 
 def test_joint_routing_from_a_trained_model_starts_from_its_weights(corpus, tiny_checkpoint, tmp_path):

@@ -52,7 +52,7 @@ def compose_run(model: str, seed: int, config: List[str]) -> TrainConfig:
 NOT_IN_RUN_KEY = {"train": ("log_interval", "eval_interval", "eval_iters", "eval_schedules", "exit_interval")}
 # fields added after runs were keyed: left out at their default, so that the earlier runs keep their keys
 ADDED_WITH_DEFAULT = {"data": {"reset_at_eod": False, "mqar_query_spans": None, "mqar_context_segments": None},
-                      "parallel": {"context_parallel_size": 1},
+                      "parallel": {"context_parallel_size": 1}, "router": {"estimator": "straight_through"},
                       "model": {"router_hidden": None, "router_chunk_size": 128, "router_layers": 1, "mixer_conv_activation": "silu",
                                 "attention_rotary": True, "rotary_base": 10000.0, "A_init_range": [1.0, 16.0],
                                 "dt_min": 0.001, "dt_max": 0.1, "dt_init_floor": 1e-4}}
@@ -73,7 +73,7 @@ def run_key(run: TrainConfig) -> str:
         identity["model"].pop("mixers")
     for section, defaults in ADDED_WITH_DEFAULT.items():
         for key, default in defaults.items():
-            if identity[section][key] == default:
+            if section in identity and identity[section][key] == default:
                 identity[section].pop(key)
     return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
 
