@@ -29,8 +29,9 @@ def forward_backward(run: TrainConfig, model, loaders, forward_only: bool) -> Li
     num_microbatches = t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
     iterators = loaders if len(loaders) > 1 else loaders[0]
     joint = run.router.mode == "joint" and not forward_only  # evaluation keeps its schedules
+    routed = partial(_routed_forward_step, run.model.router_chunk_size, run.router.estimator)
     return get_forward_backward_func()(
-        forward_step_func=partial(_routed_forward_step, run.model.router_chunk_size, run.router.estimator) if joint else _forward_step,
+        forward_step_func=routed if joint else _forward_step,
         data_iterator=iterators,
         model=model if len(model) > 1 else model[0],
         num_microbatches=num_microbatches,
