@@ -28,7 +28,7 @@ from oryx_megatron.layers.gpt_attention import CausalSDPAttention
 from oryx_megatron.layers.norms import RMSNorm
 from oryx_megatron.models.oryx_model import OryxModel
 from oryx_megatron.models.specs import get_oryx_layer_spec
-from oryx_megatron.models.transformer import TransformerBaseline
+from oryx_megatron.models.transformer import LayerSeededTransformerLayer, TransformerBaseline
 
 
 def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
@@ -96,8 +96,11 @@ def build_model(
 
 def _gpt_block_spec(transformer_impl: str, config: TransformerConfig, vp_stage: Optional[int]):
     if transformer_impl == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec.module = LayerSeededTransformerLayer
+        return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.module = LayerSeededTransformerLayer  # the same initial weights at any pipeline layout
     # megatron's WrappedTorchNorm refuses sequence parallelism and ignores params_dtype; ours does neither.
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm

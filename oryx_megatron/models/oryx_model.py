@@ -32,15 +32,13 @@ from torch import Tensor
 from oryx_megatron.config import Mode
 from oryx_megatron.layers.config import OryxConfig
 from oryx_megatron.layers.router import ParallelChunkRouter
+from oryx_megatron.models.layer_init import layer_init_rng
 from oryx_megatron.mixer import MixerCache, MixerContext, RouterReadouts
 
 
 def _build_layer(layer_spec: ModuleSpec, config: OryxConfig, layer_number: int):
-    """A layer whose initial weights depend only on the seed and its global number, so that
-    every pipeline layout starts from the same model."""
-    seed = torch.initial_seed() + layer_number
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    """A layer whose initial weights depend only on the seed and its global number (``layer_init_rng``)."""
+    with layer_init_rng(layer_number):
         return build_module(layer_spec, config=config, layer_number=layer_number)
 
 

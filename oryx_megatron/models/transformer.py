@@ -19,10 +19,12 @@ from typing import Dict, List, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from torch import Tensor
 
 from oryx_megatron.compat.megatron import last_token_logits_only, static_inference_context
 from oryx_megatron.layers.gpt_attention import CausalSDPAttention
+from oryx_megatron.models.layer_init import layer_init_rng
 from oryx_megatron.mixer.state import kv_capacity
 
 
@@ -123,6 +125,15 @@ class TransformerCache:
         """Allocated bytes: kv / recurrent / conv (a Transformer has only keys and values)."""
         kv = sum(t.nbytes for pair in self.context.key_value_memory_dict.values() for t in pair)
         return {"kv": kv, "recurrent": 0, "conv": 0}
+
+
+class LayerSeededTransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer whose initial weights depend only on the seed and its global number
+    (``layer_init_rng``), as OryxModel's layers: a stage of a pipeline builds the layers one process builds."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, **kwargs):
+        with layer_init_rng(layer_number + get_transformer_layer_offset(config, kwargs.get("vp_stage"))):
+            super().__init__(config, submodules, layer_number=layer_number, **kwargs)
 
 
 class TransformerBaseline(GPTModel):
