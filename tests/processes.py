@@ -2,8 +2,25 @@
 (multiprocessing's forkserver, FORKSERVER) instead of new interpreters, which spend ~5 s each on those imports on
 2 cores: the ranks of tests/distributed.py, and ``run_cli``, a command of this package with the same exit code,
 stdout and stderr as ``subprocess.run(args, capture_output=True, text=True)``. Each process is still a fresh fork
-(no state of the test's process or of other tests); tests of the installed scripts themselves (test_wheel) and
-of a process's own start (signals, torchrun) still start real interpreters."""
+(no state of the test's process or of other tests).
+
+What a fork cannot see, and the tests that start real interpreters for it:
+
+- the interpreter's start: imports and what they print (megatron-core's warnings on stderr: a command's error
+  must still be its only line): tests/test_train.py (a misspelled key is exactly one line on stderr),
+  tests/test_context_parallel_eval.py (a bad --context-parallel likewise), tests/test_wheel.py (the installed
+  scripts, from another directory), tests/test_structure.py and tests/test_hf_checkpoints.py (what an import
+  pulls in);
+- torchrun's rendezvous and environment, ranks that are separate interpreters end to end, each with its own
+  hash seed (forks share the server's: a rank that orders anything by hashing strings would go unseen):
+  tests/test_layout_gradients.py (DP=2 and CP=2 training, bit for bit the forked ranks' run),
+  tests/test_context_parallel_eval.py (oryx-eval at CP=2);
+- the interpreter's exit: ``os._exit`` here runs the atexit handlers but skips thread joins and teardown (a
+  writer thread or process that would keep a real run from exiting): the torchrun and wheel tests above, the
+  SIGTERM/requeue test (tests/test_train.py), the chaos run (tests/faults/test_chaos.py), the SLURM scripts
+  (tests/test_slurm.py), the GPU session's stages (tests/test_gpu_session.py), the CLI runs of
+  tests/test_eval_cli.py;
+- signals sent to a process group of its own (SIGTERM for requeue, SIGKILL mid-save): the same tests."""
 
 import atexit
 import multiprocessing as mp
