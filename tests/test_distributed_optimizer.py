@@ -61,7 +61,8 @@ def four_processes(corpus, tmp_path_factory):
     return tmp
 
 
-@pytest.mark.parametrize("processes,layout", [(n, name) for n, names in LAYOUTS.items() for name in names])
+@pytest.mark.parametrize("processes,layout", [pytest.param(n, name, marks=[pytest.mark.four_ranks] if n == 4 else [])
+                                              for n, names in LAYOUTS.items() for name in names])
 def test_resume_is_exact(processes, layout, request):
     tmp = request.getfixturevalue({2: "two_processes", 4: "four_processes"}[processes]) / layout
     assert len(losses(tmp / "straight/out")) == ITERS

@@ -6,7 +6,9 @@ parameter, reduced, before clipping) and every step's logged gradient norm and l
 AdamW normalises each gradient element by its own running scale and clipping rescales the whole gradient, so a
 gradient wrong by a constant factor under one layout (a token count left out of a reduction, a contribution
 counted twice) barely moves the loss: loss curves alone pass it, these tests do not
-(``test_a_gradient_doubled_under_a_layout_is_caught``)."""
+(``test_a_gradient_doubled_under_a_layout_is_caught``).
+
+The layouts of 4 processes are marked ``four_ranks``: ``make test-four-ranks`` runs them, ``make test`` does not."""
 
 import subprocess
 import sys
@@ -83,22 +85,33 @@ LAYOUTS = {
 DOUBLED = "cp2_doubled_gradients"  # CP=2 of oryx_tg with half the token count in finalize_model_grads
 
 
+def layouts_of(processes: int) -> list:
+    """(name, overrides, double_gradients) of the LAYOUTS of ``processes`` processes."""
+    return [(name, REFERENCES[ref] + layout, False) for name, (n, ref, layout) in LAYOUTS.items() if n == processes]
+
+
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory) -> Path:
-    """Every reference and layout run, ``<tmp>/<name>/{out,grads,ckpt}``: the layouts of 2 and of 4 processes
-    each in one process group, one run after the other."""
+def references(corpus, tmp_path_factory) -> Path:
+    """Every one-process reference run, ``<tmp>/<name>/{out,grads,ckpt}``; the layouts' runs go beside them."""
     tmp = tmp_path_factory.mktemp("layout_gradients")
     for name, overrides in REFERENCES.items():
         _run(str(tmp / name), corpus, overrides)
-    for processes in (1, 2, 4):
-        cases = [(name, REFERENCES[ref] + layout, False) for name, (n, ref, layout) in LAYOUTS.items()
-                 if n == processes]
-        if processes == 1:
-            _runs(str(tmp), corpus, cases)
-        else:
-            doubled = [(DOUBLED, REFERENCES["oryx_tg"] + CP2, True)] if processes == 2 else []
-            run_distributed(_runs, str(tmp), corpus, cases + doubled, world_size=processes)
     return tmp
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, references) -> Path:
+    """The layouts of 1 process, then those of 2 (and DOUBLED) in one process group, one run after the other."""
+    _runs(str(references), corpus, layouts_of(1))
+    run_distributed(_runs, str(references), corpus, layouts_of(2) + [(DOUBLED, REFERENCES["oryx_tg"] + CP2, True)])
+    return references
+
+
+@pytest.fixture(scope="module")
+def runs_of_four_ranks(corpus, references) -> Path:
+    """The layouts of 4 processes, in one process group (``make test-four-ranks``)."""
+    run_distributed(_runs, str(references), corpus, layouts_of(4), world_size=4)
+    return references
 
 
 def mismatches(got: Path, want: Path) -> List[str]:
@@ -119,8 +132,10 @@ def mismatches(got: Path, want: Path) -> List[str]:
     return found
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_layouts_gradients_equal_one_process(runs, layout):
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.four_ranks] if n == 4 else [])
+                                    for name, (n, _, _) in LAYOUTS.items()])
+def test_a_layouts_gradients_equal_one_process(layout, request):
+    runs = request.getfixturevalue("runs_of_four_ranks" if LAYOUTS[layout][0] == 4 else "runs")
     assert mismatches(runs / layout, runs / LAYOUTS[layout][1]) == []
 
 
