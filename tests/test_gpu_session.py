@@ -16,6 +16,7 @@ import pytest
 from oryx_megatron.checks import provenance
 from oryx_megatron.checks.session import driver, outputs, plan, probes, runner
 from oryx_megatron.checks.session.runner import run_stage
+from oryx_megatron.ops import probe as probing
 
 STAGES = ["parity", "training", "train_step", "inference", "training_rest", "train_reset", "train_1_4b"]
 MAX_FILES = 8  # what the GPU machine's run brings back: at most 8 files, flat
@@ -55,14 +56,24 @@ def test_the_rehearsal_brings_back_flat_files_within_the_budget(rehearsal):
 def test_a_kernel_whose_probe_segfaults_is_refused_once_and_every_later_stage_writes_rows(rehearsal):
     _, work, results = rehearsal
     found = results["probes"]
-    assert found[CRASHED] == {"forward": SEGFAULT, "backward": SEGFAULT, "exit": -signal.SIGSEGV,
+    assert found[CRASHED] == {"forward": SEGFAULT, "backward": SEGFAULT, "errors": {},
+                              "tolerance": probing.tolerance(CRASHED), "exit": -signal.SIGSEGV,
                               "seconds": found[CRASHED]["seconds"]}
     for op in probes.OPT_IN:  # never run: an installed wheel cannot crash anything
-        assert found[op]["forward"] == probes.OPT_IN[op] and found[op]["exit"] is None
-    assert all(v["forward"] is None and v["backward"] is None and v["exit"] == 0
-               for op, v in found.items() if op != CRASHED and op not in probes.OPT_IN)
+        assert found[op]["forward"] == probes.OPT_IN[op] and found[op]["exit"] is None and found[op]["errors"] == {}
+    for op, v in found.items():  # each probed op's errors beside its verdict, and the tolerance that judged them
+        assert v["tolerance"] == probing.tolerance(op), op
+        if op == CRASHED or op in probes.OPT_IN:
+            continue
+        assert v["forward"] is None and v["backward"] is None and v["exit"] == 0, op
+        forward, backward = v["errors"]["forward"], v["errors"]["backward"]
+        gradients = set(backward) - set(forward)
+        assert set(forward) == set(probing.OUTPUT_NAMES[op]) and set(forward) <= set(backward), op
+        assert all(name.startswith("d") for name in gradients) and bool(gradients) == (op in probing.SEQUENCE_OPS), op
+        assert probing.verdict(op, backward) is None and max(backward.values()) > 0, op  # measured, within tolerance
     verdicts = json.loads((work / "kernel_probes.json").read_text())["verdicts"]
-    assert verdicts[CRASHED] == {"forward": SEGFAULT, "backward": SEGFAULT}
+    recorded = ("forward", "backward", "tolerance", "errors")
+    assert verdicts == {op: {key: v[key] for key in recorded} for op, v in found.items()}
 
     assert list(results["stages"]) == STAGES
     assert all(stage["exit"] == 0 for stage in results["stages"].values()), results["stages"]
@@ -181,8 +192,12 @@ def test_a_probe_that_hangs_or_dies_is_refused_with_the_reason(tmp_path):
         "its probe process was killed by SIGABRT")
     assert probes.outcome(1, tmp_path / "none.json", log, 60)["forward"] == (
         "its probe process exited with code 1: ImportError: libcudart.so.13: cannot open shared object file")
-    (tmp_path / "probe.json").write_text(json.dumps({"forward": None, "backward": "fla issue 640", "device": "cuda"}))
-    assert probes.outcome(0, tmp_path / "probe.json", log, 60) == {"forward": None, "backward": "fla issue 640"}
+    assert probes.outcome(1, tmp_path / "none.json", log, 60)["errors"] == {}
+    errors = {"forward": {"o": 2e-3, "final_state": 3e-3}}  # the backward was refused, not run
+    (tmp_path / "probe.json").write_text(json.dumps({"forward": None, "backward": "fla issue 640", "errors": errors,
+                                                     "device": "cuda"}))
+    assert probes.outcome(0, tmp_path / "probe.json", log, 60) == {
+        "forward": None, "backward": "fla issue 640", "errors": errors}
 
 
 def test_stages_are_not_started_past_the_deadline(tmp_path):

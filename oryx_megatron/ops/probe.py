@@ -38,8 +38,20 @@ OUTPUT_NAMES = {
     "gated_rms_norm": ("o",),
 }
 PROBE_SHAPE = (1, 256, 2, 64)  # b, s, h, d: two blocks of FlexAttention, four chunks of the scans
-PROBE_TOLERANCE = 5e-2  # relative to the largest reference value; bf16 kernels measured 0.2-0.7% (docs/gpu.md)
-PROBES_ENV_VAR = "ORYX_KERNEL_PROBES"  # a JSON file of verdicts: {"verdicts": {op: {"forward": .., "backward": ..}}}
+# The relative error (rel_err) a kernel may have at PROBE_SHAPE. Measured there (docs/gpu.md, "The probe's
+# tolerance"): the torch ops themselves on the bf16 inputs, the floor of bf16 rounding, <= 7.8e-3 (the
+# attention ops' dk; outputs <= 6.6e-3, fp32 states <= 1.1e-7); fla's and mamba-ssm's Triton kernels under
+# Triton's interpreter <= 5.3e-3 but for fla's dg (below); an H200 at the GPU check's 16x larger size 1.5e-3
+# to 7e-3 (fla, mamba-ssm). The torch ops with one output or one input's gradient 2% off err by 1.58e-2 (GDN
+# dq: a bf16 gradient rounded twice) to 2.7e-2. 1.2e-2 is 1.5x the worst good error, 1.3x under the least
+# 2%-off one.
+PROBE_TOLERANCE = 1.2e-2
+# fla's chunk GDN keeps its chunk states in bf16: dg at the last token (the final state's gradient enters
+# there as a sum of 64 x 64 bf16 products) errs by 1.52e-2 under the interpreter; the torch op with dg 2%
+# off errs by 1.99e-2. One tolerance for all would have to lie between 1.52e-2 and the dq mutant's 1.58e-2.
+PROBE_TOLERANCE_BY_OUTPUT = {"chunk_gated_delta_rule": {"dg": 1.8e-2}}
+PROBES_ENV_VAR = "ORYX_KERNEL_PROBES"  # a JSON file of verdicts: {"verdicts": {op: {"forward": .., "backward": ..,
+#                                       "tolerance": tolerance(op), "errors": {direction: {name: error}}}}}
 
 Values = Dict[str, object]  # argument name -> (fp64 tensor, the dtype the kernel gets), or a plain value
 
@@ -144,6 +156,12 @@ def _grads(outputs, weights, leaves: Dict[str, torch.Tensor]) -> Dict[str, Optio
     return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)))
 
 
+def tolerance(op: str) -> Dict[str, float]:
+    """The relative error the probe allows ``op``: by error name ("o", "dq", ..) where
+    PROBE_TOLERANCE_BY_OUTPUT names one, "*" for every other."""
+    return {"*": PROBE_TOLERANCE, **PROBE_TOLERANCE_BY_OUTPUT.get(op, {})}
+
+
 def probe_errors(op: str, kernel: Callable, reference: Callable, device, backward: bool) -> Dict[str, float]:
     """Relative errors of ``kernel`` against ``reference`` at PROBE_SHAPE with an initial state: every
     output and state, and (``backward``, for the sequence ops) every input gradient."""
@@ -155,35 +173,51 @@ def probe_errors(op: str, kernel: Callable, reference: Callable, device, backwar
     return errors
 
 
-@functools.lru_cache(maxsize=None)
-def probe(op: str, kernel: Callable, reference: Callable, device="cuda", backward: bool = True) -> Optional[str]:
-    """None when ``kernel`` agrees with the torch op within PROBE_TOLERANCE (forward and, ``backward``,
-    backward), else why not (an exception counts). Where a GPU session recorded a verdict for ``op``
-    (``$ORYX_KERNEL_PROBES``), that verdict, without running anything: a kernel that crashed its
-    session's probe is not run again."""
-    recorded = recorded_verdicts().get(op)
-    if recorded is not None:
-        return recorded["backward" if backward else "forward"]
+def verdict(op: str, errors: Dict[str, float]) -> Optional[str]:
+    """None when every error is within ``tolerance(op)``, else the one furthest past its tolerance."""
+    allowed = tolerance(op)
+    limits = {name: allowed.get(name, allowed["*"]) for name in errors}
+    bad = [name for name, err in errors.items() if not err <= limits[name]]
+    if not bad:
+        return None
+    worst = max(bad, key=lambda name: errors[name] / limits[name])
+    return (f"its one-time check differs from the torch op: {worst} relative error {errors[worst]:.3g} "
+            f"> {limits[worst]}")
+
+
+def measure(op: str, kernel: Callable, reference: Callable, device, backward: bool
+            ) -> Tuple[Optional[str], Dict[str, float]]:
+    """The probe itself: (its verdict, the errors it measured: {} where the kernel raised)."""
     try:
         errors = probe_errors(op, kernel, reference, device, backward)
     except Exception as e:  # a kernel that refuses, or fails to compile
-        return f"its one-time check raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    bad = {name: err for name, err in errors.items() if not err <= PROBE_TOLERANCE}
-    if bad:
-        worst = max(bad, key=bad.get)
-        return (f"its one-time check differs from the torch op: {worst} relative error {bad[worst]:.3g} "
-                f"> {PROBE_TOLERANCE}")
-    return None
+        return f"its one-time check raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", {}
+    return verdict(op, errors), errors
 
 
-def recorded_verdicts() -> Dict[str, Dict[str, Optional[str]]]:
-    """op -> {"forward": reason or None, "backward": reason or None} from the file ``$ORYX_KERNEL_PROBES``
-    names ({} when unset). A file that cannot be read is an error, never a reason to probe again."""
+@functools.lru_cache(maxsize=None)
+def probe(op: str, kernel: Callable, reference: Callable, device="cuda", backward: bool = True) -> Optional[str]:
+    """None when ``kernel`` agrees with the torch op within ``tolerance(op)`` (forward and, ``backward``,
+    backward), else why not (an exception counts). Where a GPU session recorded a verdict for ``op``
+    under this tolerance (``$ORYX_KERNEL_PROBES``), that verdict, without running anything: a kernel
+    that crashed its session's probe is not run again."""
+    recorded = recorded_verdicts().get(op)
+    if recorded is not None:
+        return recorded["backward" if backward else "forward"]
+    return measure(op, kernel, reference, device, backward)[0]
+
+
+def recorded_verdicts() -> Dict[str, dict]:
+    """op -> {"forward": reason or None, "backward": reason or None, "tolerance", "errors"} from the file
+    ``$ORYX_KERNEL_PROBES`` names ({} when unset), the verdicts recorded under ``tolerance(op)`` only:
+    one under another tolerance (none: a file from before tolerances were recorded) is probed again.
+    A file that cannot be read is an error, never a reason to probe again."""
     path = os.environ.get(PROBES_ENV_VAR)
     if not path:
         return {}
     try:
-        return json.loads(Path(path).read_text())["verdicts"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        verdicts = json.loads(Path(path).read_text())["verdicts"]
+        return {op: found for op, found in verdicts.items() if found.get("tolerance") == tolerance(op)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"${PROBES_ENV_VAR}={path}: not a file of kernel probe verdicts "
                          f"({type(e).__name__}: {e})") from None

@@ -21,6 +21,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from oryx_megatron import ops  # noqa: E402
 from oryx_megatron.ops import Documents, cuda  # noqa: E402
+from oryx_megatron.ops import probe as probing  # noqa: E402
 from tests.kernels import triton_cpu  # noqa: E402
 
 # fla says so when Triton has no GPU driver (the interpreter needs none)
@@ -202,3 +203,16 @@ def test_comparison_catches_wrapper_bug(op, old, new, spoiled, kwargs, kernel_ca
     errs = errors(mutant(op, old, new), op, FP32, True, kwargs, d_k=D_K, d_v=D_K, backward=False)
     assert kernel_calls[ENTRY_POINTS[op][1]] == 1
     assert {name for name, e in errs.items() if not e <= MUTANT_ERR} == spoiled, errs
+
+
+
+@pytest.mark.parametrize("op", OUTPUTS)
+def test_the_runtime_probe_accepts_the_real_kernel(op, kernel_calls, capsys):
+    """ops.probe's own comparison (PROBE_SHAPE, bf16 activations, an initial state; its seed) on the real
+    kernel: within the probe's tolerance. The errors are printed: PROBE_TOLERANCE is calibrated on them."""
+    errs = probing.probe_errors(op, getattr(cuda, op), ops.TORCH_OPS[op], "cpu", backward=True)
+    with capsys.disabled():
+        print(f"\nprobe errors of {op} at {probing.PROBE_SHAPE}:",
+              ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    assert kernel_calls[ENTRY_POINTS[op][1]] == 1
+    assert probing.verdict(op, errs) is None, errs

@@ -5,6 +5,7 @@ torch ops put in a kernel's place."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -202,45 +203,82 @@ def call_arguments(op: str, shape=(1, 16, 2, 8)) -> dict:
     return {name: v[0].to(v[1]) if isinstance(v, tuple) else v for name, v in values.items()}
 
 
-def _gradient_times(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """x in the forward; its gradient multiplied by ``factor`` in the backward."""
-    return x * factor - (x * (factor - 1)).detach()
+MUTANT_FACTOR = 1.02  # 2% off: the tolerance was 5e-2, and a GDN kernel with dq 2% off (error 1.6e-2) passed it
+GRADIENTS = {  # the differentiable inputs of each sequence op: the probe compares the gradient of every one
+    "causal_conv1d": ("x", "weight", "bias", "initial_state"),
+    "chunk_gated_delta_rule": ("q", "k", "v", "g", "beta", "initial_state"),
+    "ssd_chunk_scan": ("x", "dt", "A", "B", "C", "D", "initial_state"),
+    "causal_attention": ("q", "k", "v"),
+    "block_sparse_causal_attention": ("q", "k", "v"),
+    "gated_rms_norm": ("y", "gate", "weight"),
+}
+OUTPUT_MUTANTS = [(op, name) for op in ops.OPS for name in probing.OUTPUT_NAMES[op]]
+GRADIENT_MUTANTS = [(op, name) for op, names in GRADIENTS.items() for name in names]
 
 
-def forward_mutant(op):
-    """The torch op with its first output 10% off."""
+def output_mutant(op: str, output: str):
+    """The torch op with one output 2% off."""
+    index = probing.OUTPUT_NAMES[op].index(output)
+
     def kernel(**kwargs):
         out = getattr(ops, op)(**kwargs)
-        return (out[0] * 1.1, *out[1:]) if isinstance(out, tuple) else out * 1.1
+        if not isinstance(out, tuple):
+            return out * MUTANT_FACTOR
+        return tuple(t * MUTANT_FACTOR if i == index else t for i, t in enumerate(out))
     return kernel
 
 
-def backward_mutant(op):
-    """The torch op, right in the forward, with the gradient of its first input 10% off."""
+def gradient_mutant(op: str, name: str):
+    """The torch op, right in the forward, with the gradient of input ``name`` 2% off."""
     def kernel(**kwargs):
-        first = next(name for name, v in kwargs.items() if torch.is_tensor(v) and v.is_floating_point())
-        return getattr(ops, op)(**{**kwargs, first: _gradient_times(kwargs[first], 1.1)})
+        x = kwargs[name].clone()  # the same values; what flows back through it to the input is scaled
+        x.register_hook(lambda grad: grad * MUTANT_FACTOR)
+        return getattr(ops, op)(**{**kwargs, name: x})
     return kernel
+
+
+def refusal(op: str, name: str) -> str:
+    """The probe's reason (a pattern) when error ``name`` of ``op`` is the one furthest past its tolerance."""
+    allowed = probing.tolerance(op)
+    limit = allowed.get(name, allowed["*"])
+    return rf"its one-time check differs from the torch op: {name} relative error [0-9.e-]+ > {limit}$"
 
 
 @pytest.mark.parametrize("op", ops.OPS)
-def test_probe_accepts_the_torch_op_in_bf16_and_refuses_its_mutants(op):
-    """The CUDA wrapper on CPU is the torch op: in bf16 against fp64 it stays inside the tolerance (the
-    tolerance does not refuse a right kernel); a wrong forward is refused, and so is a wrong gradient
-    where the op has a backward (while calls without a gradient may still use it)."""
+def test_probe_accepts_the_torch_op_in_bf16(op):
+    """The CUDA wrapper on CPU is the torch op: in bf16 against fp64 (the floor of bf16 rounding: measured
+    <= 7.8e-3, docs/gpu.md) it stays inside the tolerance, so the tolerance does not refuse a right kernel;
+    every output and every differentiable input's gradient is compared."""
     assert probing.probe(op, getattr(cuda, op), getattr(ops, op), "cpu") is None
     errors = probing.probe_errors(op, getattr(cuda, op), getattr(ops, op), "cpu", backward=True)
-    assert max(errors.values()) <= probing.PROBE_TOLERANCE, errors
-    assert set(errors) >= set(probing.OUTPUT_NAMES[op])
-    assert any(name.startswith("d") for name in errors) == (op in probing.SEQUENCE_OPS)
-    wrong = forward_mutant(op)
-    assert "differs from the torch op" in probing.probe(op, wrong, getattr(ops, op), "cpu")
-    assert probing.probe(op, wrong, getattr(ops, op), "cpu", backward=False).startswith(
-        f"its one-time check differs from the torch op: {probing.OUTPUT_NAMES[op][0]} relative error ")
-    if op in probing.SEQUENCE_OPS:
-        bad_gradient = backward_mutant(op)
-        assert "differs from the torch op: d" in probing.probe(op, bad_gradient, getattr(ops, op), "cpu")
-        assert probing.probe(op, bad_gradient, getattr(ops, op), "cpu", backward=False) is None
+    assert set(errors) == {*probing.OUTPUT_NAMES[op], *(f"d{name}" for name in GRADIENTS.get(op, ()))}
+    assert probing.verdict(op, errors) is None, errors
+
+
+@pytest.mark.parametrize("op,output", OUTPUT_MUTANTS, ids=[f"{op}-{name}" for op, name in OUTPUT_MUTANTS])
+def test_probe_refuses_an_output_2_percent_off(op, output):
+    assert re.match(refusal(op, output), probing.probe(op, output_mutant(op, output), getattr(ops, op), "cpu",
+                                                       backward=False) or "")
+
+
+@pytest.mark.parametrize("op,name", GRADIENT_MUTANTS, ids=[f"{op}-d{name}" for op, name in GRADIENT_MUTANTS])
+def test_probe_refuses_a_gradient_2_percent_off_and_keeps_the_forward(op, name):
+    """A wrong gradient is refused where the op has a backward, while calls without a gradient may still use it."""
+    wrong = gradient_mutant(op, name)
+    assert re.match(refusal(op, f"d{name}"), probing.probe(op, wrong, getattr(ops, op), "cpu") or "")
+    assert probing.probe(op, wrong, getattr(ops, op), "cpu", backward=False) is None
+
+
+def test_the_tolerance_is_looser_only_for_fla_chunk_gdns_dg():
+    """fla's chunk kernel measured dg 1.52e-2 under the interpreter (make test-kernels); the rest keeps 1.2e-2,
+    and the reason names the error furthest past its own tolerance."""
+    assert probing.verdict("chunk_gated_delta_rule", {"o": 2e-3, "dg": 1.6e-2}) is None
+    assert probing.verdict("chunk_gated_delta_rule", {"dg": 2e-2, "dq": 1.3e-2}) == (  # 2e-2 / 1.8e-2 > 1.3e-2 / 1.2e-2
+        "its one-time check differs from the torch op: dg relative error 0.02 > 0.018")
+    assert probing.verdict("chunk_gated_delta_rule", {"dg": 1.8e-2, "dq": 1.3e-2}) == (
+        "its one-time check differs from the torch op: dq relative error 0.013 > 0.012")
+    assert probing.verdict("ssd_chunk_scan", {"dA": 1.6e-2}) == (
+        "its one-time check differs from the torch op: dA relative error 0.016 > 0.012")
 
 
 def test_probe_rejects_a_kernel_that_raises():
@@ -259,19 +297,25 @@ def fresh_probes():
     probing.probe.cache_clear()
 
 
+SEGFAULT = "its probe process was killed by SIGSEGV"
+
+
+def crash(*args, **kwargs):
+    raise AssertionError("a recorded kernel was run again")
+
+
 def test_recorded_session_verdicts_are_returned_without_running_the_kernel(tmp_path, monkeypatch, fresh_probes):
     """A GPU session probes each kernel once, in a process of its own; later processes read its verdicts
-    ($ORYX_KERNEL_PROBES) and never run a kernel whose probe crashed."""
-    def crash(*args, **kwargs):
-        raise AssertionError("a recorded kernel was run again")
-
+    ($ORYX_KERNEL_PROBES), recorded under this tolerance, and never run a kernel whose probe crashed."""
     path = tmp_path / "kernel_probes.json"
     path.write_text(json.dumps({"verdicts": {
-        "ssd_step": {"forward": "its probe process was killed by SIGSEGV",
-                     "backward": "its probe process was killed by SIGSEGV"},
-        "chunk_gated_delta_rule": {"forward": None, "backward": "its one-time check differs: dq 0.3"}}}))
+        "ssd_step": {"forward": SEGFAULT, "backward": SEGFAULT, "tolerance": probing.tolerance("ssd_step"),
+                     "errors": {}},
+        "chunk_gated_delta_rule": {"forward": None, "backward": "its one-time check differs: dq 0.3",
+                                   "tolerance": probing.tolerance("chunk_gated_delta_rule"),
+                                   "errors": {"forward": {"o": 2e-3}, "backward": {"o": 2e-3, "dq": 0.3}}}}}))
     monkeypatch.setenv(probing.PROBES_ENV_VAR, str(path))
-    assert probing.probe("ssd_step", crash, ops.ssd_step, "cpu") == "its probe process was killed by SIGSEGV"
+    assert probing.probe("ssd_step", crash, ops.ssd_step, "cpu") == SEGFAULT
     assert probing.probe("chunk_gated_delta_rule", crash, ops.chunk_gated_delta_rule, "cpu", backward=False) is None
     assert probing.probe("chunk_gated_delta_rule", crash, ops.chunk_gated_delta_rule, "cpu") == (
         "its one-time check differs: dq 0.3")
@@ -280,6 +324,22 @@ def test_recorded_session_verdicts_are_returned_without_running_the_kernel(tmp_p
     probing.probe.cache_clear()
     with pytest.raises(ValueError, match=rf"\${probing.PROBES_ENV_VAR}={path}: not a file of kernel probe verdicts"):
         probing.probe("ssd_step", crash, ops.ssd_step, "cpu")
+
+
+def test_a_verdict_recorded_under_another_tolerance_is_probed_again(tmp_path, monkeypatch, fresh_probes):
+    """A verdict file of a checkout with another tolerance (the old 5e-2, or none: the format before tolerances
+    were recorded) decides nothing: the kernel runs (here: raises, which the probe reports)."""
+    path = tmp_path / "kernel_probes.json"
+    path.write_text(json.dumps({"verdicts": {
+        "ssd_step": {"forward": None, "backward": None, "tolerance": {"*": 5e-2}, "errors": {}},
+        "chunk_gated_delta_rule": {"forward": None, "backward": None,
+                                   "tolerance": probing.tolerance("ssd_step"), "errors": {}},  # no dg exception
+        "gated_delta_rule_step": {"forward": SEGFAULT, "backward": SEGFAULT}}}))
+    monkeypatch.setenv(probing.PROBES_ENV_VAR, str(path))
+    assert probing.recorded_verdicts() == {}
+    ran = "its one-time check raised AssertionError: a recorded kernel was run again"
+    for op in ("ssd_step", "chunk_gated_delta_rule", "gated_delta_rule_step"):
+        assert probing.probe(op, crash, ops.TORCH_OPS[op], "cpu") == ran, op
 
 
 def test_compile_is_seen_disabled_by_either_variable(monkeypatch):

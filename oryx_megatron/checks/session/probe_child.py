@@ -3,11 +3,12 @@ a kernel that segfaults or leaves a sticky CUDA error ends this process, not the
 
     python -m oryx_megatron.checks.session.probe_child OP --json PATH [--crash]
 
-Writes {"forward": reason or null, "backward": reason or null, "device": ...} to PATH: the reason why
-``get_kernels`` must not use the kernel (a known condition of ``selection.refusal``, else what
-``ops.probe.probe`` found), per direction. Without CUDA the probe runs the wrappers on CPU tensors (the
-torch op): the CPU rehearsal. ``--crash`` kills this process with SIGSEGV first (the rehearsal of a
-kernel that segfaults).
+Writes {"forward": reason or null, "backward": reason or null, "errors": {direction: {name: error}},
+"device": ...} to PATH: the reason why ``get_kernels`` must not use the kernel (a known condition of
+``selection.refusal``, else what ``ops.probe.measure`` found), per direction, and the relative errors
+measured in each direction the kernel ran (the backward's include the outputs). Without CUDA the
+probe runs the wrappers on CPU tensors (the torch op): the CPU rehearsal. ``--crash`` kills this
+process with SIGSEGV first (the rehearsal of a kernel that segfaults).
 """
 
 import argparse
@@ -26,11 +27,15 @@ from oryx_megatron.ops import probe as probing
 def verdicts(op: str) -> dict:
     env = selection.KernelEnvironment.detect()
     device = "cuda" if env.cuda else "cpu"
-    found = {"device": device}
+    found = {"device": device, "errors": {}}
     for direction in ("forward", "backward"):
         backward = direction == "backward"
         known = selection.refusal(op, env, backward=backward) if env.cuda else None
-        found[direction] = known or probing.probe(op, getattr(cuda, op), ops.TORCH_OPS[op], device, backward)
+        if known:  # not run: no errors measured in this direction
+            found[direction] = known
+        else:
+            found[direction], found["errors"][direction] = probing.measure(
+                op, getattr(cuda, op), ops.TORCH_OPS[op], device, backward)
     return found
 
 

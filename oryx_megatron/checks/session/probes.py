@@ -2,6 +2,8 @@
 own under a time limit. What they found (a pass, a known refusal, a wrong result, an exception, a
 process killed by a signal, a timeout) is written to a verdict file that every later stage reads
 through ``$ORYX_KERNEL_PROBES`` (``ops.probe``): a kernel that crashed costs one probe, not the session.
+Beside each op's verdict the file holds the errors its probe measured and the tolerance it was judged
+by (``probe.tolerance``): a later checkout with another tolerance probes again.
 
 causal-conv1d's CUDA kernels (C++, built on CPU for the lent machine, never run yet) are opt-in: unless
 ``with_causal_conv1d``, their ops are refused unprobed, so an installed wheel is never run."""
@@ -26,7 +28,7 @@ POLL_S = 0.2
 
 
 def _refused(reason: str) -> dict:
-    return {"forward": reason, "backward": reason}
+    return {"forward": reason, "backward": reason, "errors": {}}
 
 
 def outcome(code: Optional[int], json_path: Path, log_path: Path, limit_s: float) -> dict:
@@ -37,7 +39,7 @@ def outcome(code: Optional[int], json_path: Path, log_path: Path, limit_s: float
         return _refused(f"its probe process was killed by {signal.Signals(-code).name}")
     try:
         found = json.loads(json_path.read_text())
-        return {"forward": found["forward"], "backward": found["backward"]}
+        return {"forward": found["forward"], "backward": found["backward"], "errors": found["errors"]}
     except (OSError, ValueError, KeyError):
         lines = log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
         return _refused(f"its probe process exited with code {code}: {lines[-1] if lines else 'no output'}")
@@ -46,7 +48,8 @@ def outcome(code: Optional[int], json_path: Path, log_path: Path, limit_s: float
 def run_probes(work: Path, env: dict, limit_s: float, with_causal_conv1d: bool,
                crash: Optional[str] = None) -> Dict[str, dict]:
     """Probe every op at once (one process each, ``limit_s`` for all of them); write the verdict file
-    ``work/kernel_probes.json``; return op -> {"forward", "backward", "exit", "seconds"}."""
+    ``work/kernel_probes.json``; return op -> {"forward", "backward", "errors", "tolerance", "exit",
+    "seconds"}."""
     folder = work / "probes"
     folder.mkdir(parents=True, exist_ok=True)
     child_env = {k: v for k, v in env.items() if k != probing.PROBES_ENV_VAR}  # a probe never reads verdicts
@@ -78,9 +81,10 @@ def run_probes(work: Path, env: dict, limit_s: float, with_causal_conv1d: bool,
             found[op] = {**outcome(code, folder / f"{op}.json", folder / f"{op}.log", limit_s),
                          "exit": code, "seconds": round(time.perf_counter() - start, 1)}
         time.sleep(POLL_S)
-    verdicts = {op: {d: found[op][d] for d in ("forward", "backward")} for op in ops.OPS}
+    found = {op: {**found[op], "tolerance": probing.tolerance(op)} for op in ops.OPS}  # the one each was judged by
+    verdicts = {op: {key: found[op][key] for key in ("forward", "backward", "tolerance", "errors")} for op in ops.OPS}
     (work / "kernel_probes.json").write_text(json.dumps({"verdicts": verdicts}, indent=1) + "\n")
-    return {op: found[op] for op in ops.OPS}
+    return found
 
 
 def refused(found: Dict[str, dict]) -> List[str]:
