@@ -10,11 +10,15 @@ writes this rank's shards. Here that function is wrapped to hash each file it wr
   ``poll`` (after every step; one all-reduce while a save is in flight) asks whether the writers of EVERY rank
   have finished.
 
-Then the request's finalize functions run on every rank: megatron's (rank 0 writes ``.metadata``, then
-``metadata.json``), then ``_publish``: the ranks' file hashes are gathered, and rank 0 writes ``run_config.yaml``,
-``checksums.sha256`` (``checkpoint.checksums``: last, so a checkpoint that has it is complete), moves `latest`
-and applies retention. A kill anywhere before that leaves `latest` on the previous complete checkpoint. One save
-is in flight at a time: a new save, the end of training and the exit for requeue wait for it (``finish``).
+Then the request's finalize functions run on every rank: ``_gather_writes`` (what every rank's writer reported:
+its files' hashes, or how it died), megatron's (rank 0 writes ``.metadata``, then ``metadata.json``), then
+``_publish``: rank 0 writes ``run_config.yaml``, ``checksums.sha256`` (``checkpoint.checksums``: last, so a
+checkpoint that has it is complete), moves `latest` and applies retention. A kill anywhere before that leaves
+`latest` on the previous complete checkpoint. A writer that died while the trainer lives (killed, out of memory;
+or one of the worker processes megatron forks per file, which ``_WorkerWatch`` notices, since megatron would
+wait for it forever) fails the save on every rank as ONE ``CheckpointError`` line naming the checkpoint, at the
+first ``poll`` after every rank's writer has ended (at the latest the next save or the run's end). One save is
+in flight at a time: a new save, the end of training and the exit for requeue wait for it (``finish``).
 Metrics: ``checkpoint/blocking_s`` (what a save call blocked the loop), and, when an async save completes,
 ``checkpoint/background_s`` (its slowest rank's write and hashing) and ``checkpoint/finalize_s`` (what completing
 it blocked the loop, with any wait for the writers).
@@ -24,11 +28,15 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
+import threading
 import time
+from contextlib import suppress
 from functools import partial
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
+import psutil
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -50,29 +58,101 @@ from oryx_megatron.training.checkpointing import run_state
 logger = logging.getLogger("oryx_megatron.train")
 
 
+WRITER_NAME = "oryx-ckpt-write"  # an async save's writer process and its workers, as ps (/proc/PID/comm) names them
+WATCH_S = 0.1  # how often a writer looks at its worker processes
+
+# What a writer reports: its files (name -> sha256) and seconds; or, when it failed, why (one line)
+Report = Union[Tuple[Dict[str, str], float], str]
+
+
 class _HashingWriter:
     """A rank's shard writer (megatron's ``async_fn``), then the sha256 of each file it wrote; both, with the
-    seconds they took, are reported through a pipe, since an async save runs them in a forked process."""
+    seconds they took, are reported through a pipe, since an async save runs them in a forked process (named
+    ``WRITER_NAME``, watched by ``_WorkerWatch``). ``process``: that process, once megatron has forked it."""
 
     def __init__(self, write):
         self.write = write
+        self.process: Optional[multiprocessing.Process] = None
+        self._trainer = os.getpid()
         self._received, self._sent = multiprocessing.get_context("fork").Pipe(duplex=False)
 
     def __call__(self, rank, write_buckets, *args, **kwargs):
-        start = time.perf_counter()
+        start, watch = time.perf_counter(), None
+        if os.getpid() != self._trainer:  # an async save's writer
+            _name_this_process(WRITER_NAME)
+            watch = _WorkerWatch(self._sent)
+            watch.start()
         self.write(rank, write_buckets, *args, **kwargs)
+        if watch is not None:
+            watch.stop()
         hashes = {Path(file).name: file_sha256(Path(file)) for file, *_ in write_buckets}  # (path, name, data)
         self._sent.send((hashes, time.perf_counter() - start))
 
-    def report(self, path: Path) -> Tuple[Dict[str, str], float]:
-        """What the writer sent, once it has ended: file name -> sha256, and its seconds."""
+    def report(self) -> Report:
+        """What the writer sent, once it has ended: (file name -> sha256, its seconds), or why it failed."""
         try:
-            if not self._received.poll():
-                raise CheckpointError(path, f"rank {dist.get_rank()}'s writer ended before hashing its files")
-            return self._received.recv()
+            if self._received.poll():
+                return self._received.recv()
+            code = self.process.exitcode if self.process is not None else None
+            return f"background writer {_how_it_ended(code)} before it had written and hashed its files"
         finally:
             self._received.close()
             self._sent.close()
+
+
+class _WorkerWatch(threading.Thread):
+    """In an async save's writer: megatron's write forks a worker process per file and waits for every one of
+    them on a queue, forever if one dies (killed, out of memory). Every ``WATCH_S`` this thread looks at the
+    writer's child processes without reaping them (``waitid`` with ``WNOWAIT``); when one has ended abnormally
+    it kills and reaps the others, reports why through the pipe and ends the writer, so that the save fails
+    instead of hanging the trainer at its next save."""
+
+    def __init__(self, report_to):
+        super().__init__(name="ckpt-worker-watch", daemon=True)
+        self.report_to, self._stopped = report_to, threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join()
+
+    def run(self) -> None:
+        writer = psutil.Process()
+        while not self._stopped.wait(WATCH_S):
+            workers = writer.children()
+            died = next(((w.pid, code) for w in workers if (code := _abnormal_end(w.pid)) is not None), None)
+            if died is not None:
+                for worker in workers:
+                    with suppress(psutil.NoSuchProcess):
+                        worker.kill()
+                psutil.wait_procs(workers, timeout=10)
+                self.report_to.send(f"background writer's worker process {died[0]} {_how_it_ended(died[1])}")
+                os._exit(1)
+
+
+def _abnormal_end(pid: int) -> Optional[int]:
+    """The exit code (negative: the signal) of the child ``pid`` if it ended abnormally; None while it runs or
+    when it ended well. It is not reaped (megatron joins its workers)."""
+    try:
+        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # already reaped: megatron joins the workers that ended well
+        return None
+    if ended is None or (ended.si_code == os.CLD_EXITED and ended.si_status == 0):
+        return None
+    return ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+
+
+def _how_it_ended(exit_code: Optional[int]) -> str:
+    if exit_code is not None and exit_code < 0:
+        return f"was killed by {signal.Signals(-exit_code).name}"
+    return f"exited with code {exit_code}" if exit_code else "ended"
+
+
+def _name_this_process(name: str) -> None:
+    """Name this process (and what it forks) ``name`` for ps and /proc/PID/comm (Linux; elsewhere nothing)."""
+    try:
+        Path("/proc/self/comm").write_text(name)
+    except OSError:
+        pass
 
 
 class CheckpointSaver:
@@ -97,12 +177,16 @@ class CheckpointSaver:
         writer = None
         if request.async_fn is not None:  # None: nothing of the checkpoint lies on this rank
             writer = _HashingWriter(request.async_fn)
-            request = request._replace(async_fn=writer)
-        request.add_finalize_fn(partial(self._publish, path, run_config_yaml, writer))
+        reports: List[Report] = []  # every rank's, once every writer has ended
+        request = request._replace(async_fn=writer, finalize_fns=[
+            partial(self._gather_writes, path, writer, reports), *request.finalize_fns,
+            partial(self._publish, path, run_config_yaml, reports)])
         if self.queue is None:
             request.execute_sync()
         else:
             self.queue.schedule_async_request(request)
+            if writer is not None:
+                writer.process = self.queue.async_calls[-1].async_caller.process
             logger.info("saving %s in the background", path)
         return {**waited_for, "checkpoint/blocking_s": time.perf_counter() - start}
 
@@ -134,13 +218,23 @@ class CheckpointSaver:
         completed, self._completed = self._completed, {}
         return completed
 
-    def _publish(self, path: Path, run_config_yaml: str, writer: Optional[_HashingWriter]) -> None:
-        """The last finalize function (every rank; every writer has finished, megatron's finalize has written
-        .metadata and metadata.json): rank 0 writes run_config.yaml and the checksums (the shards' from
-        their writers), moves `latest` and applies retention."""
-        hashes, seconds = writer.report(path) if writer is not None else ({}, 0.0)
-        reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, (hashes, seconds))
+    def _gather_writes(self, path: Path, writer: Optional[_HashingWriter], reports: List[Report]) -> None:
+        """The first finalize function (every rank; every writer has ended): every rank's writer's report into
+        ``reports``. When one failed, the save fails on every rank, before megatron's finalize reads the write
+        results: one CheckpointError naming the checkpoint and the rank; `latest` stays where it is."""
+        gathered: List[Report] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, writer.report() if writer is not None else ({}, 0.0))
+        failed = [f"rank {rank}'s {why}" for rank, why in enumerate(gathered) if isinstance(why, str)]
+        if failed:
+            latest = latest_name(self.ckpt_dir)
+            raise CheckpointError(path, f"the save failed: {'; '.join(failed)}; `latest` still names "
+                                        f"{latest.name if latest is not None else 'no checkpoint'}")
+        reports.extend(gathered)
+
+    def _publish(self, path: Path, run_config_yaml: str, reports: List[Report]) -> None:
+        """The last finalize function (every rank; megatron's finalize has written .metadata and
+        metadata.json): rank 0 writes run_config.yaml and the checksums (the shards' from their writers'
+        ``reports``), moves `latest` and applies retention."""
         if dist.get_rank() == 0:
             (path / RUN_CONFIG).write_text(run_config_yaml)
             write_checksums(path, {name: sha for file_hashes, _ in reports for name, sha in file_hashes.items()})

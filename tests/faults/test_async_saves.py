@@ -1,17 +1,27 @@
 """Asynchronous checkpoint saves (``checkpoint.async_save``; issue #30, item 4): training goes on while the
-shards are written, the run and its checkpoints are the sync run's bit for bit, `latest` moves only once the
-writers of EVERY rank have finished, and each save logs the time it blocked the loop. Kills inside the
-background writes: tests/faults/test_chaos.py."""
+shards are written, its losses and every checkpoint tensor equal the sync run's (difference 0), `latest` moves
+only once the writers of EVERY rank have finished, each save logs the time it blocked the loop; writers held
+across optimizer steps write the bytes of a synchronous save of their step (the snapshot, not the live
+weights), and a background write SIGKILLed while the trainer lives fails its save in one line, `latest`
+unmoved, from which a resume continues exactly (issue #39, item 3). Kills of the whole process group inside
+the background writes: tests/faults/test_chaos.py."""
 
+import functools
 import json
+import os
 import time
+from contextlib import suppress
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-from oryx_megatron.checkpoint import CHECKSUMS, latest_name, verify_checkpoint
-from oryx_megatron.checks.chaos.compare import compare_checkpoints
+from oryx_megatron.checkpoint import CHECKSUMS, METADATA, CheckpointError, latest_name, verify_checkpoint
+from oryx_megatron.checks.chaos.compare import checkpoint_tensors, compare_checkpoints
+from oryx_megatron.cli.errors import one_line
 from oryx_megatron.compat.cpu import cuda_to_cpu
 from oryx_megatron.parallel import initialize_parallel
 from oryx_megatron.training import saving
@@ -61,63 +71,218 @@ def test_each_save_logs_the_time_it_blocked_the_loop(sync_and_async):
     assert all(row["iteration"] >= saved for row, saved in zip(completed, SAVED))
 
 
-GATE = "rank1_may_write"
+def _gate(ckpt_dir, rank: int) -> Path:
+    return Path(ckpt_dir) / f"rank{rank}_may_write"
 
 
 def _gated(write_and_hash):
-    """Rank 1's writer waits for the gate file beside the checkpoints before it writes."""
+    """Each rank's writer waits for its gate file (``_gate``) beside the checkpoints before it writes."""
 
     def gated(self, rank, *args, **kwargs):
-        gate = Path(args[0][0][0]).parents[1] / GATE  # the first file of its write buckets: ckpt/iter_N/file
+        gate = _gate(Path(args[0][0][0]).parents[1], rank)  # the first file of its write buckets: ckpt/iter_N/file
         deadline = time.monotonic() + 300
-        while rank == 1 and not gate.exists() and time.monotonic() < deadline:
+        while not gate.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         return write_and_hash(self, rank, *args, **kwargs)
 
     return gated
 
 
-def _two_ranks_one_writer_held(tmp: str, corpus: dict) -> None:
-    """DP=2, async saves every 2 of 6 iterations; rank 1's writer is held until the end of step 4. Rank 0
-    records, after each step (before the step's poll): the iteration, what `latest` names and whether its own
-    writers have ended, which it waits for at step 3."""
+def _two_ranks_writers_held(tmp: str, corpus: dict) -> None:
+    """DP=2, async saves every 2 of 6 iterations. At iteration 2 a synchronous save of the same state goes to
+    sync/ first. Then the writers of iteration 2 are held: rank 0's (the model's weights and Adam moments) until
+    the end of step 3, rank 1's until the end of step 4. Rank 0 records, after each step (before the step's
+    poll): the iteration, what `latest` names, whether its own writers have ended (it waits for them at step
+    3), and whether its weights differ from those of iteration 2."""
     saving._HashingWriter.__call__ = _gated(saving._HashingWriter.__call__)  # this process and its writers
     run = run_config(corpus, Path(tmp), *RUN, "checkpoint.async_save=true")
     initialize_parallel(seed=run.train.seed)
-    seen = []
+    rank, seen = dist.get_rank(), []
     with cuda_to_cpu(), Trainer(run, f"{tmp}/out") as trainer:
         trainer.resume()
-        step = trainer.train_step
+        step, save = trainer.train_step, trainer.save
+        weights_at_2 = []
+
+        def sync_then_async_save():
+            if trainer.iteration == 2:
+                _gate(f"{tmp}/sync", rank).parent.mkdir(exist_ok=True)
+                _gate(f"{tmp}/sync", rank).touch()
+                saving.save_checkpoint(f"{tmp}/sync", 2, trainer.model, trainer.optimizer, trainer.scheduler,
+                                       trainer.loaders[0], trainer.run_yaml, extra={"run_id": trainer.run_id})
+                weights_at_2.extend(p.detach().clone() for p in trainer.model[0].parameters())
+            save()
 
         def observed_step():
             result = step()
-            if dist.get_rank() == 0:
+            if rank == 0:
                 callers = [call.async_caller for call in trainer.saver.queue.async_calls]
-                if trainer.iteration == 3:  # rank 0's writer of iteration 2 ends before the poll after step 3
+                if trainer.iteration == 3:  # rank 0's writer of iteration 2 writes now, ends before the poll
+                    _gate(trainer.ckpt_dir, 0).touch()
                     for caller in callers:
                         caller.process.join(timeout=120)
                 writing = any(c.process is not None and c.process.is_alive() for c in callers)
                 latest = latest_name(trainer.ckpt_dir)
-                seen.append([trainer.iteration, latest and latest.name, not writing])
+                moved = weights_at_2 and not all(torch.equal(a, b) for a, b in
+                                                  zip(weights_at_2, trainer.model[0].parameters()))
+                seen.append([trainer.iteration, latest and latest.name, not writing, bool(moved)])
                 if trainer.iteration == 4:
-                    (Path(trainer.ckpt_dir) / GATE).touch()
+                    _gate(trainer.ckpt_dir, 1).touch()
             return result
 
-        trainer.train_step = observed_step
+        trainer.train_step, trainer.save = observed_step, sync_then_async_save
         assert trainer.train() == 0
-    if dist.get_rank() == 0:
+    if rank == 0:
         Path(tmp, "seen.json").write_text(json.dumps(seen))
 
 
 def test_latest_moves_only_once_every_rank_has_written(corpus, tmp_path):
-    run_distributed(_two_ranks_one_writer_held, str(tmp_path), corpus)
-    seen = {iteration: (latest, own_writer_done) for iteration, latest, own_writer_done in
-            json.loads((tmp_path / "seen.json").read_text())}
+    run_distributed(_two_ranks_writers_held, str(tmp_path), corpus)
+    seen = {iteration: tuple(rest) for iteration, *rest in json.loads((tmp_path / "seen.json").read_text())}
     # steps 3 and 4 ran while rank 1 had not written iteration 2; rank 0 had, before the poll after step 3
-    assert seen[3] == (None, True) and seen[4] == (None, True), seen
+    assert seen[3][:2] == (None, True) and seen[4][:2] == (None, True), seen
     assert seen[5][0] in ("iter_0000002", "iter_0000004") and seen[6][0] is not None, seen
     assert latest_name(str(tmp_path / "ckpt")).name == "iter_0000006"
     for iteration in SAVED:
         ckpt = tmp_path / f"ckpt/iter_{iteration:07d}"
         verify_checkpoint(ckpt)
         assert any(line.endswith("__1_0.distcp") for line in (ckpt / CHECKSUMS).read_text().splitlines())
+    # The held writers wrote iteration 2 after optimizer steps had changed the weights (step 3 for rank 0's,
+    # steps 3 and 4 for rank 1's), and wrote the bytes of the synchronous save of iteration 2: the snapshot
+    # taken at the save, not the live tensors (which would differ in every weight and Adam moment).
+    assert seen[3][2] and seen[4][2], seen
+    _assert_bitwise_equal(tmp_path / "sync/iter_0000002", tmp_path / "ckpt/iter_0000002", world_size=2)
+
+
+def _assert_bitwise_equal(expected: Path, got: Path, world_size: int) -> None:
+    """The same .distcp shards (some from every rank), byte for byte, and every tensor loaded back bitwise
+    equal (same dtype, shape and bytes: -0.0 differs from 0.0, NaN payloads count)."""
+    shards = sorted(f.name for f in expected.glob("*.distcp"))
+    assert shards == sorted(f.name for f in got.glob("*.distcp"))
+    assert {name.split("_")[2] for name in shards} == {str(rank) for rank in range(world_size)}, shards
+    for name in shards:
+        assert (expected / name).read_bytes() == (got / name).read_bytes(), name
+    a, b = checkpoint_tensors(expected), checkpoint_tensors(got)
+    tensors = [key for key, value in a.items() if isinstance(value, torch.Tensor)]
+    assert set(a) == set(b) and len([k for k in tensors if not k.startswith("optimizer")]) > 0
+    assert any(k.startswith("optimizer") and "exp_avg" in k for k in tensors)
+    for key in tensors:
+        x, y = a[key], b[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), key
+
+
+KILLED = "iter_0000004"  # the save whose background write is killed while the trainer lives
+
+
+def _hold_the_write_of(monkeypatch, name: str) -> None:
+    """The write workers of checkpoint ``name`` write their file's first item, flush it, record their pid in
+    FILE.held and wait (at most 60 s) for FILE.release, which never comes: they are killed there."""
+    write_item = filesystem_async._write_item
+
+    @functools.wraps(write_item)  # megatron passes serialization_format if the signature has it
+    def held(*args, **kwargs):
+        result = write_item(*args, **kwargs)
+        stream = args[-4]  # (*transforms, stream, data, write_item, storage_key)
+        marker = Path(f"{stream.name}.held")
+        if Path(stream.name).parent.name == name and not marker.exists():
+            stream.flush()
+            marker.write_text(str(os.getpid()))
+            deadline = time.monotonic() + 60
+            while not Path(f"{stream.name}.release").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return result
+
+    monkeypatch.setattr(filesystem_async, "_write_item", held)
+
+
+def _kill_the_write(trainer, whom: str) -> dict:
+    """Once a worker of the save of KILLED is held mid-file: SIGKILL ``whom``, "writer" (the rank's writer
+    process and every worker it forked: the whole write) or "worker" (the held worker alone: megatron's writer
+    would wait for it forever), then wait for the writer to end. What was killed and the held file's size."""
+    ckpt = Path(trainer.ckpt_dir) / KILLED
+    deadline = time.monotonic() + 60
+    while not (markers := sorted(ckpt.glob("*.held"))) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert markers, f"no worker of the save of {KILLED} began writing"
+    process = trainer.saver.queue.async_calls[0].async_caller.process
+    writer, worker = psutil.Process(process.pid), psutil.Process(int(markers[0].read_text()))
+    assert writer.name() == worker.name() == saving.WRITER_NAME
+    if whom == "writer":
+        writer.suspend()  # forks no more workers
+        for killed in (*writer.children(), writer):
+            killed.kill()
+    else:
+        worker.kill()
+    process.join(timeout=60)
+    if process.is_alive():  # the writer waits for the dead worker: end it, and fail
+        for killed in (*writer.children(), writer):
+            killed.kill()
+        pytest.fail(f"the writer of {KILLED} did not end after its worker was killed")
+    shard = Path(markers[0].as_posix()[:-len(".held")])
+    return {"worker": worker.pid, "shard": shard.name, "bytes": shard.stat().st_size}
+
+
+def _writer_processes() -> list:
+    """This process's descendants named as a background writer (saving.WRITER_NAME)."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with suppress(psutil.NoSuchProcess):  # one that ends meanwhile
+            if process.name() == saving.WRITER_NAME:
+                found.append(process.pid)
+    return found
+
+
+def _train_killing_the_write(run, output_dir: str, whom: str):
+    """``run`` in this process (async saves every 2 of 6 iterations), the write of KILLED killed before step 5
+    (``_kill_the_write``): the CheckpointError that ended it, the iteration it ended at, what was killed."""
+    initialize_parallel(seed=run.train.seed)
+    with cuda_to_cpu(), Trainer(run, output_dir) as trainer:
+        trainer.resume()
+        step, killed = trainer.train_step, {}
+
+        def killing_step():
+            if trainer.iteration == 4:
+                killed.update(_kill_the_write(trainer, whom))
+            return step()
+
+        trainer.train_step = killing_step
+        with pytest.raises(CheckpointError) as failed:
+            trainer.train()
+    return failed.value, trainer.iteration, killed
+
+
+def test_a_writer_killed_while_the_trainer_lives_fails_its_save_in_one_line(sync_and_async, corpus, tmp_path,
+                                                                            monkeypatch, caplog):
+    """A SIGKILL mid-file to the background write of iteration 4 (its writer and workers; then, after a
+    resume, one worker alone): each time the run stops at the poll after step 5 (the first after the writer
+    ended) with one line naming the checkpoint and what died, `latest` stays on iteration 2, and a resume
+    from there ends with the losses and the checkpoint of the uninterrupted sync run, bitwise."""
+    run, ckpt, sync = run_config(corpus, tmp_path, *RUN, "checkpoint.async_save=true"), tmp_path / "ckpt", \
+        sync_and_async / "sync"
+    out = str(tmp_path / "out")
+    with monkeypatch.context() as patches:
+        _hold_the_write_of(patches, KILLED)
+        for whom, what_died in [("writer", "background writer was killed by SIGKILL before it had written and "
+                                           "hashed its files"),
+                                ("worker", "background writer's worker process {worker} was killed by SIGKILL")]:
+            with caplog.at_level("INFO", logger="oryx_megatron.train"):
+                error, stopped_at, killed = _train_killing_the_write(run, out, whom)
+            assert str(error) == one_line(error) == (f"{ckpt / KILLED} is damaged: the save failed: rank 0's "
+                                                     f"{what_died.format(**killed)}; `latest` still names "
+                                                     f"iter_0000002"), whom
+            assert stopped_at == 5 and latest_name(str(ckpt)).name == "iter_0000002", whom
+            # killed mid-file: the held shard holds its first item only; megatron's finalize never ran
+            assert 0 < killed["bytes"] < (sync / "ckpt" / KILLED / killed["shard"]).stat().st_size, killed
+            left = {f.name for f in (ckpt / KILLED).iterdir()}
+            assert CHECKSUMS not in left and METADATA not in left, left
+            assert _writer_processes() == [], whom  # no writer of this process is left
+            if whom == "worker":  # the second run resumed from iteration 2, not from the killed save
+                assert f"resumed from {ckpt / 'iter_0000002'} at iteration 2" in caplog.text
+            caplog.clear()
+    with caplog.at_level("INFO", logger="oryx_megatron.train"):
+        assert pretrain(run, out) == 0
+    assert f"resumed from {ckpt / 'iter_0000002'} at iteration 2" in caplog.text
+    assert losses(out) == losses(sync / "out") and len(losses(out)) == 6
+    verify_checkpoint(ckpt / "iter_0000006")
+    _assert_bitwise_equal(sync / "ckpt/iter_0000006", ckpt / "iter_0000006", world_size=1)
+    assert compare_checkpoints(sync / "ckpt/iter_0000006", ckpt / "iter_0000006")["common_state_diff"] == 0.0

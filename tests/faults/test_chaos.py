@@ -1,7 +1,8 @@
 """oryx-chaos-train in its short configuration: SIGTERM, SIGKILL at a step and SIGKILL inside a save of
 the tiny model on synthetic MQAR, in two runs that between them take both optimizers and both save modes: the
 plain optimizer with blocking saves, and the distributed optimizer with async saves (the save kill inside a
-background write); every restart resumes from the last complete checkpoint, no
+background write); the kill aimed inside a save (a background write) landed there, as the driver saw it with
+the trainer's process group stopped; every restart resumes from the last complete checkpoint, no
 checkpoint cut off by a kill holds checksums, and the run ends bitwise equal to the uninterrupted one (losses
 of every iteration, weights and optimizer moments) with a final checkpoint that matches its checksums."""
 
@@ -9,7 +10,11 @@ import json
 
 import pytest
 
+from oryx_megatron.checkpoint import CHECKSUMS, METADATA
 from oryx_megatron.checks.chaos import driver as chaos_train
+from oryx_megatron.checks.chaos import watch
+from oryx_megatron.compat.megatron import COMMON_FILE
+from oryx_megatron.training import saving
 
 KILLS, ITERS, SAVE_INTERVAL = 3, 12, 3  # ~5 process starts of ~8 s each on 2 cores
 
@@ -29,6 +34,21 @@ def test_chaos_run_matches_the_uninterrupted_run(tmp_path, options):
     assert s["kills_delivered"] == s["kills_survived"] == KILLS, result["kills"]
     assert s["sigterm"] >= 1 and s["sigkill"] >= 1
     assert s["kills_inside_saves"] >= 1, result["kills"]
+    assert all(k["landed"] in ("step", "save", "write") for k in result["kills"]), result["kills"]
+    assert watch.WRITER_NAME == saving.WRITER_NAME  # how the driver tells the writer processes
+    # The aimed kill landed inside what it aimed at, with the group stopped: a save in progress (sync), or a
+    # background write, not before it (the save's blocking part had ended: the common state written, the
+    # writer forked) nor after it (a writer process alive, megatron's .metadata not yet written); and it left
+    # that save incomplete on disk, without checksums.
+    aimed = [k for k in result["kills"] if k["aim"] == save_aim]
+    assert len(aimed) == 1 and s["aimed_kills_off_target"] == 0, result["kills"]
+    kill = aimed[0]
+    assert kill["landed"] == save_aim and kill["inside_save"], kill
+    assert kill["incomplete_iteration"] == kill["landed_iteration"] >= kill["target"], kill
+    assert CHECKSUMS not in kill["files_at_kill"] and CHECKSUMS not in kill["incomplete_files"], kill
+    if save_aim == "write":
+        assert kill["writers_at_kill"] >= 1 and s["kills_landed_inside_writes"] >= 1, kill
+        assert COMMON_FILE in kill["files_at_kill"] and METADATA not in kill["files_at_kill"], kill
     assert s["steps_lost_beyond_save_interval"] == 0, result["kills"]
     assert s["iterations_compared"] == ITERS
     assert s["final_loss_diff"] == 0.0 and s["max_loss_diff"] == 0.0
@@ -42,3 +62,4 @@ def test_chaos_run_matches_the_uninterrupted_run(tmp_path, options):
             assert kill["exit_code"] == 3 and kill["redone"] == 0, kill
     assert json.loads((tmp_path / "chaos.json").read_text())["summary"] == s
     assert "kills inside saves" in (tmp_path / "summary.md").read_text()
+    assert "kills landed inside background writes" in (tmp_path / "summary.md").read_text()

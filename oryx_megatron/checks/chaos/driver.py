@@ -21,9 +21,16 @@
      (training goes on) and until `latest` names it, they fire after a random delay below half the shortest
      background write seen (``checkpoint/background_s``), or at once after a miss.
 
-   Whether a kill really landed inside a save is decided after the process died, from the disk: an
-   iteration directory written by this attempt that ``latest`` does not name is an incomplete checkpoint.
-   SIGTERM is sent only once the attempt has logged an iteration (the preemption handler is installed).
+   Where each kill lands is recorded as it is sent: the driver stops the trainer's process group (SIGSTOP),
+   looks (``watch.landing``: ``write`` while an async save's writer process is alive, ``save`` while a save
+   is in progress with no writer alive, else ``step``; and that save's files with their sizes), then
+   signals it (a SIGTERM is followed by SIGCONT). A save or write kill that finds its save outside its aim
+   lets the group continue: before its write (no shard file yet) it tries again 2 ms later, past it (the save
+   over, or its writers ended) it aims at the next save at once; so it lands where it was aimed: asserted,
+   and required for exit code 0. Whether a kill left an incomplete
+   checkpoint is decided after the process died, from the disk: an iteration directory written by this
+   attempt that ``latest`` does not name. SIGTERM is sent only once the attempt has logged an iteration (the
+   preemption handler is installed).
 3. **Checks** per kill: the next attempt resumes from the checkpoint ``latest`` named when the killed one
    died (its "resumed from ... at iteration R" line) and reaches at least its iteration. Steps redone =
    last iteration logged by the killed attempt - R; allowed: ``save_interval - 1`` (``save_interval`` when
@@ -234,6 +241,9 @@ def chaos(args: argparse.Namespace) -> dict:
         "kills_delivered": len(done),
         "kills_survived": sum(k.survived for k in done),
         "kills_inside_saves": sum(k.inside_save for k in done),
+        "kills_landed_inside_writes": sum(k.landed == "write" for k in done),
+        # save and write kills that did not land inside what they aimed at (watch.landing): must be 0
+        "aimed_kills_off_target": sum(k.aim != "step" and k.landed != k.aim for k in done),
         "sigterm": sum(k.signal == "SIGTERM" for k in done),
         "sigkill": sum(k.signal == "SIGKILL" for k in done),
         "restarts": len(attempts) - 1,
@@ -259,7 +269,8 @@ def chaos(args: argparse.Namespace) -> dict:
           and summary["steps_lost_beyond_save_interval"] == 0 and len(iters) == T and iters == list(range(1, T + 1))
           and all(summary[k] <= args.atol for k in ("max_loss_diff", "max_weight_diff", "max_tensor_diff"))
           and summary["common_state_diff"] == 0 and summary["redone_rows_mismatched"] == 0
-          and summary["final_checksums_match"] and summary["incomplete_with_checksums"] == 0)
+          and summary["final_checksums_match"] and summary["incomplete_with_checksums"] == 0
+          and summary["aimed_kills_off_target"] == 0)
     summary["ok"] = ok
     result = {"summary": summary, "failure": failure, "args": vars(args), "overrides": overrides,
               "kills": [asdict(k) for k in plan], "attempts": attempts, "checkpoints": weights}
@@ -279,10 +290,11 @@ def _check_reference(rc: int, ref_ckpt: Path, T: int, out: Path) -> None:
 
 
 def _report(bar: tqdm, k: Kill) -> None:
-    what = "background write" if k.aim == "write" else "save"
-    where = (f"inside the {what} of iteration {k.incomplete_iteration}" if k.inside_save
-             else f"after iteration {k.last_logged}")
-    bar.write(f"kill {k.index + 1}: {k.signal} ({k.aim}, target {k.target}) {where}, exit {k.exit_code}; "
+    what = {"write": "background write", "save": "save"}.get(k.landed)
+    where = (f"landed inside the {what} of iteration {k.landed_iteration}" if what
+             else f"landed in a step after iteration {k.last_logged}")
+    left = f", left iteration {k.incomplete_iteration} incomplete" if k.inside_save else ""
+    bar.write(f"kill {k.index + 1}: {k.signal} ({k.aim}, target {k.target}) {where}{left}, exit {k.exit_code}; "
               f"latest {k.latest_after} -> resumed from {k.resumed_from}, redone {k.redone}, "
               f"lost beyond interval {k.lost_beyond_interval}: {'survived' if k.survived else 'FAILED'}{k.note}")
     bar.update(1)
@@ -293,6 +305,8 @@ def summary_table(s: dict, T: int, S: int) -> str:
         ("iterations / save interval", f"{T} / {S}"),
         ("kills survived", f"{s['kills_survived']} / {s['kills_planned']} (SIGKILL {s['sigkill']}, SIGTERM {s['sigterm']})"),
         ("kills inside saves", s["kills_inside_saves"]),
+        ("kills landed inside background writes", s["kills_landed_inside_writes"]),
+        ("save / write kills that landed off their aim", s["aimed_kills_off_target"]),
         ("steps redone", s["steps_redone"]),
         ("steps lost beyond the save interval", s["steps_lost_beyond_save_interval"]),
         ("iterations compared", s["iterations_compared"]),

@@ -2,7 +2,7 @@
 
 import random
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -17,6 +17,13 @@ class Kill:
     exit_code: Optional[int] = None
     latest_after: int = 0  # the iteration `latest` named once the process was dead (0: none)
     inside_save: bool = False  # an iteration dir written by this attempt that `latest` does not name
+    # where it landed, seen with the trainer's process group stopped (watch.freeze): "write" (an async save's
+    # writer process alive), "save" (a save in progress, no writer alive), "step" (neither); None: not sent
+    landed: Optional[str] = None
+    landed_iteration: Optional[int] = None  # the save in progress then
+    writers_at_kill: int = 0  # its writer processes alive then
+    files_at_kill: Dict[str, int] = field(default_factory=dict)  # its files then: name -> bytes
+    missed: List[int] = field(default_factory=list)  # saves found outside the aim when stopped: aimed at the next
     incomplete_iteration: Optional[int] = None
     incomplete_files: List[str] = field(default_factory=list)
     events: List[str] = field(default_factory=list)  # how the kill was aimed (seconds since the attempt started)

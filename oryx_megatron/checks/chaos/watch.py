@@ -1,5 +1,6 @@
 """Running one training attempt of the chaos driver and watching it: its metrics as they are appended,
-the checkpoint saves in progress, the kill when it is armed, and what its process group leaves behind."""
+the checkpoint saves in progress, the kill when it is armed (and where it landed: the process group is
+stopped, looked at, then signalled), and what its process group leaves behind."""
 
 import json
 import os
@@ -14,6 +15,9 @@ from typing import Dict, List, Optional, Tuple
 from oryx_megatron.checks.chaos.plan import Kill
 
 POLL_S = 0.002
+EARLY_RETRY_S = 0.002  # a write kill that came before its write began tries again after this
+STOP_WAIT_S = 1.0  # how long SIGSTOP may take to stop the group (a process in uninterruptible I/O stops after it)
+WRITER_NAME = "oryx-ckpt-write"  # oryx_megatron.training.saving.WRITER_NAME (not imported: keeps the driver light)
 
 
 @dataclass
@@ -154,12 +158,11 @@ def run_attempt(cmd: List[str], env: dict, run_dir: Path, ckpt_dir: Path, log_pa
                     kill.events.append(f"{time.time() - since:.3f}: save of {armed_save} finished first")
                     fire_at, armed_save, missed = None, None, True  # kill inside the next one at once
                 if fire_at is not None and time.monotonic() >= fire_at:
-                    if kill.signal == "SIGKILL":  # a dead node: the trainer and every process it started
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    else:  # preemption: the scheduler signals the trainer, which saves and exits
-                        proc.send_signal(signal.SIGTERM)
-                    kill.sent = True
-                    kill.events.append(f"{time.time() - since:.3f}: {kill.signal} sent")
+                    outcome = _fire(kill, proc, ckpt_dir, since, armed_save)
+                    if outcome == "early":  # its write has not begun: a little later
+                        fire_at = time.monotonic() + EARLY_RETRY_S
+                    elif outcome == "over":  # past its aim: inside the next save at once
+                        fire_at, armed_save, missed = None, None, True
             if time.monotonic() > deadline:
                 proc.kill()
                 proc.wait()
@@ -180,13 +183,42 @@ def run_attempt(cmd: List[str], env: dict, run_dir: Path, ckpt_dir: Path, log_pa
     return proc.returncode, tail, since
 
 
+def _fire(kill: Kill, proc: subprocess.Popen, ckpt_dir: Path, since: float, armed_save: Optional[int]) -> str:
+    """Stop the trainer's process group, record where the kill lands (``landing``) and signal it: "sent". But
+    when a save or write kill finds its save outside its aim, let the group go on: "early" when a write kill's
+    save has no shard file yet (its writer, forked moments ago, has not begun: not yet named WRITER_NAME),
+    "over" when the save is past its aim (ended, or its writers have; recorded in ``kill.missed``)."""
+    freeze(proc.pid)
+    where, iteration, writers, files = landing(proc.pid, ckpt_dir, since)
+    stamp = f"{time.time() - since:.3f}"
+    if kill.aim != "step" and where != kill.aim:
+        os.killpg(proc.pid, signal.SIGCONT)
+        early = kill.aim == "write" and where == "save" and not any(f.endswith(".distcp") for f in files)
+        kill.events.append(f"{stamp}: stopped {where}, {'before' if early else 'after'} the {kill.aim} of "
+                           f"{armed_save}: continued")
+        if early:
+            return "early"
+        kill.missed.append(armed_save)
+        return "over"
+    if kill.signal == "SIGKILL":  # a dead node: the trainer and every process it started
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:  # preemption: the scheduler signals the trainer, which saves and exits
+        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGCONT)
+    kill.sent = True
+    kill.landed, kill.landed_iteration, kill.writers_at_kill, kill.files_at_kill = where, iteration, writers, files
+    kill.events.append(f"{stamp}: {kill.signal} sent, landed: {where}")
+    return "sent"
+
+
 def _aim(kill: Kill, tail: MetricsTail, saves: SaveWatch, stats: Stats, rng: random.Random,
          missed: bool) -> Optional[Tuple[float, Optional[int]]]:
     """Once ``kill`` is armed (its target iteration logged and, for a save or write kill, the save it aims
     at begun): the delay before it fires and the iteration of that save (None for a step kill); else None.
     A save kill aims at a save in progress (its directory newer than `latest`), a write kill at an async
     save whose blocking part is over (its checkpoint/blocking_s row is logged) and that has not completed:
-    at a random point of the shortest such span seen, or, after a miss (the load varies), at once."""
+    at a random point of the shortest such span seen, or, after a miss (the load varies), at once. A save found
+    over when the kill fired (``kill.missed``) is not aimed at again."""
     if tail.last < kill.target:
         return None
     if kill.aim == "step":
@@ -196,23 +228,58 @@ def _aim(kill: Kill, tail: MetricsTail, saves: SaveWatch, stats: Stats, rng: ran
         aims, shortest = [it for it in saves.started if it in scheduled], stats.write_time()
     else:
         aims, shortest = list(saves.started), stats.save_time(first=saves.completed == 0)
-    aims = [it for it in aims if it >= kill.target]
+    aims = [it for it in aims if it >= kill.target and it not in kill.missed]
     if not aims:
         return None
     return (0.0 if missed else rng.uniform(0.0, 0.5 * shortest)), max(aims)
 
 
-def _group_size(pgid: int) -> int:
-    """Live (not zombie) processes of a process group, from /proc (0 where there is no /proc)."""
-    left = 0
+def _group(pgid: int) -> List[Tuple[int, str, str]]:
+    """(pid, state, name) of each process of a process group, from /proc (none where there is no /proc)."""
+    members = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if entry.isdigit():
             try:
-                state, _, pgrp = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+                head, tail = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)
+                state, _, pgrp = tail.split()[:3]
             except (OSError, IndexError, ValueError):
                 continue
-            left += int(pgrp) == pgid and state != "Z"
-    return left
+            if int(pgrp) == pgid:
+                members.append((int(entry), state, head.split("(", 1)[1]))
+    return members
+
+
+def _group_size(pgid: int) -> int:
+    """Live (not zombie) processes of a process group."""
+    return sum(state != "Z" for _, state, _ in _group(pgid))
+
+
+def freeze(pgid: int) -> None:
+    """SIGSTOP a process group and wait (at most STOP_WAIT_S) until each of its processes has stopped or ended."""
+    try:
+        os.killpg(pgid, signal.SIGSTOP)
+    except ProcessLookupError:  # it has ended
+        return
+    deadline = time.monotonic() + STOP_WAIT_S
+    while any(state not in "TtZX" for _, state, _ in _group(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def landing(pgid: int, ckpt_dir: Path, since: float) -> Tuple[str, Optional[int], int, Dict[str, int]]:
+    """Where a kill of the (stopped) process group lands: "write" while a writer process of an async save is
+    alive (named WRITER_NAME: the writer and the workers it forks), else "save" while a save this attempt began
+    is in progress (its directory newer than `latest`), else "step"; the newest save in progress, the writer
+    processes alive and that save's files then (name -> bytes)."""
+    writers = sum(name == WRITER_NAME and state not in "ZX" for _, state, name in _group(pgid))
+    saving = [it for it in written_since(ckpt_dir, since) if it > latest_iteration(ckpt_dir)]
+    files = {}
+    try:
+        for entry in os.scandir(ckpt_dir / f"iter_{max(saving):07d}") if saving else []:
+            files[entry.name] = entry.stat().st_size
+    except OSError:  # removed meanwhile (the group did not stop within STOP_WAIT_S)
+        pass
+    where = "write" if writers else "save" if saving else "step"
+    return where, max(saving) if saving else None, writers, files
 
 
 def reap_group(pgid: int) -> int:
