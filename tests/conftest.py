@@ -51,6 +51,38 @@ def corpus(tmp_path_factory):
     return {"shards": str(root / "shards"), "indexed": str(root / "indexed"), "shard_count": len(manifest.shards)}
 
 
+SHORT_DOCUMENT_LENGTHS = (5, 12, 1, 30, 8, 3, 61, 15, 2, 20)  # bytes, cycled: ~4 documents start in a window
+SHORT_DOCUMENTS = 1000
+
+
+@pytest.fixture(scope="session")
+def short_documents(tmp_path_factory):
+    """The corpus's first sources (ASCII, whitespace runs made one space) cut into SHORT_DOCUMENTS documents of
+    SHORT_DOCUMENT_LENGTHS bytes (none starts with a space: none is blank) as 4 token shards (the last one held
+    out): packed windows of 64 tokens hold EODs at many positions, which depend on the lengths only, not on the
+    interpreter's sources."""
+    from oryx_megatron.data.prep.inputs import InputOptions, stdlib_files
+    from oryx_megatron.data.prep.pipeline import tokenize_corpus
+    from oryx_megatron.data.prep.tokenizer import ByteTokenizer
+    from tests.data.conftest import write_jsonl
+
+    root = tmp_path_factory.mktemp("short_documents")
+    text = " ".join(bytes(b for f in stdlib_files()[:20] for b in f.read_bytes() if b < 128).decode("ascii").split())
+    documents, start = [], 0
+    while len(documents) < SHORT_DOCUMENTS:
+        start += text[start] == " "
+        length = SHORT_DOCUMENT_LENGTHS[len(documents) % len(SHORT_DOCUMENT_LENGTHS)]
+        documents.append(text[start:start + length])
+        start += length
+    source = write_jsonl(root / "documents.jsonl", documents)
+    manifest = tokenize_corpus([source], root / "shards", ByteTokenizer(), shard_bytes=source.stat().st_size // 4 + 1,
+                               workers=1, options=InputOptions(), progress=False)
+    lengths = SHORT_DOCUMENT_LENGTHS * (SHORT_DOCUMENTS // len(SHORT_DOCUMENT_LENGTHS))
+    assert (manifest.documents, manifest.tokens) == (SHORT_DOCUMENTS, sum(lengths))
+    assert len(manifest.shards) == 4 and all(shard.documents for shard in manifest.shards)
+    return {"shards": str(root / "shards")}
+
+
 def trained_checkpoint(corpus, tmp_path_factory, name: str, *overrides: str) -> str:
     """The checkpoint.dir of a tiny run (seq 64, byte vocab; tests/test_train.py's) with ``overrides``."""
     from oryx_megatron.training.loop import pretrain

@@ -1,9 +1,14 @@
-"""Context parallelism is exact: CP=2 (head all-to-all, megatron's load-balanced split of every sequence) equals
-CP=1 on the same weights, for the layer and the whole model, outputs, input gradients and every parameter
+"""Context parallelism is exact: CP=2 and CP=4 (head all-to-all, megatron's load-balanced split of every sequence)
+equal CP=1 on the same weights, for the layer and the whole model, outputs, input gradients and every parameter
 gradient (summed over the context-parallel ranks, as megatron's DDP reduces them), every family, with chunked
-random modes (the block-sparse attention), packed documents; TP=2 x CP=2 (4 gloo processes) equals TP=1.
+random modes, packed documents whose boundaries fall inside the CP chunks and exactly at their edges, and, over two
+query blocks (S=256), the block-sparse attention skipping the blocks no token of a sequence reads; TP=2 x CP=2 (4
+gloo processes) equals TP=1, every family; the router (Oryx-TG and Oryx-TM, of one and of two layers) at CP=2 equals
+CP=1.
 fp64 but for the model's loss (megatron's vocab-parallel cross entropy computes in fp32)."""
 
+import contextlib
+import itertools
 from pathlib import Path
 
 import pytest
@@ -12,7 +17,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from oryx_megatron.compat.cpu import cuda_to_cpu
-from oryx_megatron.mixer import MixerContext
+from oryx_megatron.config import Mode
+from oryx_megatron.mixer import QUERY_BLOCK, MixerContext
+from oryx_megatron.mixer.attention import SDPAttention
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from tests.distributed import run_distributed
@@ -20,8 +27,14 @@ from tests.helpers import build_mixer, tiny_args
 from tests.test_tensor_parallel import load, save
 
 B, S, HIDDEN, VOCAB = 2, 32, 64, 97  # S divides by 2 x CP for CP = 2 (and 4)
+LONG = 2 * QUERY_BLOCK  # two query blocks of the block-sparse attention, in each of which one sequence reads none
 FAMILIES = ["oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer"]
 TOLERANCE = {"mixer": 1e-10, "model": 1e-5}
+
+
+def chunk_owner(chunk: int, cp: int) -> int:
+    """The context-parallel rank that holds chunk ``chunk`` of 2 cp (rank r: chunks r and 2 cp - 1 - r)."""
+    return chunk if chunk < cp else 2 * cp - 1 - chunk
 
 
 def this_rank_tokens(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -31,30 +44,73 @@ def this_rank_tokens(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([chunks[r], chunks[2 * cp - 1 - r]], dim=dim)
 
 
-def inputs(seed=0):
+def packed_documents(s: int) -> torch.Tensor:
+    """[B, s] document ids: sequence 0's documents start at 5/32 and 19/32 of s (inside CP chunks), sequence 1's at
+    1/4 and 3/4 of s (at the edges of CP chunks, where one rank's tokens end and another's begin, at CP = 2 and 4)."""
+    ids = torch.zeros(B, s, dtype=torch.long)
+    for row, starts in enumerate([(5 * s // 32, 19 * s // 32), (s // 4, 3 * s // 4)]):
+        for start in starts:
+            ids[row, start:] += 1
+    return ids
+
+
+def document_starts(documents: torch.Tensor, cp: int):
+    """(inside a CP chunk, at a chunk edge between two ranks): the positions where a document starts, besides 0."""
+    chunk = documents.shape[1] // (2 * cp)
+    starts = sorted((documents[:, 1:] != documents[:, :-1]).nonzero()[:, 1].add(1).tolist())
+    edges = [p for p in starts if p % chunk == 0 and chunk_owner(p // chunk - 1, cp) != chunk_owner(p // chunk, cp)]
+    return [p for p in starts if p % chunk], edges
+
+
+def inputs(seed=0, s=S):
+    """x, dy [s, B, HIDDEN]; modes [B, s] random in chunks of 4, but over more than one query block sequence
+    (i + 1) % B reads no attention in block i; ids [B, s + 1]; ``packed_documents``."""
     g = torch.Generator().manual_seed(seed)
-    x, dy = (torch.randn(S, B, HIDDEN, generator=g, dtype=torch.float64) for _ in range(2))
-    modes = torch.randint(0, 2, (B, S // 4), generator=g, dtype=torch.int8).repeat_interleave(4, 1)
-    ids = torch.randint(0, VOCAB, (B, S + 1), generator=g)
-    documents = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * S])  # boundaries inside rank 0's and rank 1's
-    return x, dy, modes, ids, documents
+    x, dy = (torch.randn(s, B, HIDDEN, generator=g, dtype=torch.float64) for _ in range(2))
+    modes = torch.randint(0, 2, (B, s // 4), generator=g, dtype=torch.int8).repeat_interleave(4, 1)
+    for block in range(s // QUERY_BLOCK if s > QUERY_BLOCK else 0):
+        modes[(block + 1) % B, block * QUERY_BLOCK:(block + 1) * QUERY_BLOCK] = Mode.LINEAR
+    ids = torch.randint(0, VOCAB, (B, s + 1), generator=g)
+    return x, dy, modes, ids, packed_documents(s)
 
 
-def mixer_step(module):
+def unread_blocks(modes: torch.Tensor) -> int:
+    """The (sequence, query block) pairs in which no token reads attention: what the block-sparse attention skips."""
+    return sum(int((block != Mode.ATTENTION).all(1).sum()) for block in modes.split(QUERY_BLOCK, 1))
+
+
+@contextlib.contextmanager
+def skipped_blocks(module):
+    """Per call of the module's softmax attention (each ``SDPAttention``), the (sequence, query block) pairs whose
+    output is zero: those the block-sparse attention left uncomputed (a computed block averages random values)."""
+    counts = []
+
+    def count(_module, _inputs, o):  # o [b, s, h, d_v]
+        counts.append(sum(int(block.flatten(1).eq(0).all(1).sum()) for block in o.split(QUERY_BLOCK, 1)))
+
+    hooks = [m.register_forward_hook(count) for m in module.modules() if isinstance(m, SDPAttention)]
+    try:
+        yield counts
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def mixer_step(module, s=S):
     """(output, input gradient) of this rank's tokens, the parameter gradients summed over the CP ranks."""
-    x, dy, modes, _, documents = inputs()
+    x, dy, modes, _, documents = inputs(s=s)
     x = this_rank_tokens(x, 0).clone().requires_grad_()
     out, _ = module(x, MixerContext.build(module.config, modes, documents))
     (out * this_rank_tokens(dy, 0)).sum().backward()
     return out.detach(), x.grad
 
 
-def model_step(module):
-    _, _, modes, ids, documents = inputs()
+def model_step(module, s=S):
+    _, _, modes, ids, documents = inputs(s=s)
     with cuda_to_cpu():  # megatron's context-parallel rotary places its indices on the GPU
         loss = module(this_rank_tokens(ids[:, :-1], 1), modes, labels=this_rank_tokens(ids[:, 1:], 1),
                       document_ids=documents)
-    (loss * this_rank_tokens(torch.linspace(0.5, 1.5, S, dtype=loss.dtype)[None], 1)).sum().backward()
+    (loss * this_rank_tokens(torch.linspace(0.5, 1.5, s, dtype=loss.dtype)[None], 1)).sum().backward()
     return loss.detach(), None
 
 
@@ -85,15 +141,19 @@ def summed_grads(module):
     return grads
 
 
-def cp_equals_cp1(tmp: str, level: str, families=FAMILIES, tp: int = 1, cp: int = 2, sp: bool = False):
-    """CP=cp (x TP=tp) equals one rank: the weights travel from one rank through a distributed checkpoint, the
-    CP-summed gradients back the same way (saved at TP=tp in place of the weights, loaded at TP=1)."""
+def cp_equals_cp1(tmp: str, level: str, families=FAMILIES, tp: int = 1, cp: int = 2, sp: bool = False,
+                  seq_length: int = S):
+    """CP=cp (x TP=tp) equals one rank on sequences of ``seq_length`` (``inputs``): the weights travel from one rank
+    through a distributed checkpoint, the CP-summed gradients back the same way (saved at TP=tp in place of the
+    weights, loaded at TP=1). Both layouts' softmax attention skips exactly the ``unread_blocks`` of the modes."""
     step = mixer_step if level == "mixer" else model_step
+    unread = unread_blocks(inputs(s=seq_length)[2])
     for family in families if level == "model" else [f for f in families if f != "transformer"]:
         case = Path(tmp) / family
         initialize_parallel(tensor_model_parallel_size=1)
         ref = build(level, family)
-        out_ref, dx_ref = step(ref)
+        with skipped_blocks(ref) as skipped_ref:
+            out_ref, dx_ref = step(ref, seq_length)
         grads_ref = {n: p.grad for n, p in ref.named_parameters()}
         save(ref, case / "weights")
 
@@ -103,7 +163,10 @@ def cp_equals_cp1(tmp: str, level: str, families=FAMILIES, tp: int = 1, cp: int 
         if family != "transformer":
             mixer = split if level == "mixer" else split.decoder.layers[0].mixer
             assert mixer.shard.cp.size == cp and mixer.layout == ref_layout(ref, level)
-        out, dx = step(split)
+        with skipped_blocks(split) as skipped:
+            out, dx = step(split, seq_length)
+        # every attention call (one per layer; none in a family without softmax attention) skips the unread blocks
+        assert skipped == skipped_ref == [unread] * len(skipped_ref), f"{family} skipped blocks"
         dim = 0 if level == "mixer" else 1
         assert (out - this_rank_tokens(out_ref, dim)).abs().max() < TOLERANCE[level], f"{family} output"
         if dx is not None:
@@ -120,39 +183,63 @@ def cp_equals_cp1(tmp: str, level: str, families=FAMILIES, tp: int = 1, cp: int 
             assert (p - grads_ref[name]).abs().max() < TOLERANCE[level], f"{family} grad of {name}"
 
 
+def each_case(tmp: str, level: str, cases: list):
+    """``cp_equals_cp1`` of every case (its keyword arguments) in one set of processes."""
+    for i, case in enumerate(cases):
+        cp_equals_cp1(f"{tmp}/{i}", level, **case)
+
+
+def assert_documents_cross_chunks(cp: int, s: int = S):
+    """``packed_documents`` start inside CP chunks and exactly at chunk edges between two ranks, where they claim."""
+    inside, at_edges = document_starts(packed_documents(s), cp)
+    assert (inside, at_edges) == ([5 * s // 32, 19 * s // 32], [s // 4, 3 * s // 4])
+
+
 @pytest.mark.parametrize("level", ["mixer", "model"])
 def test_context_parallel_equals_one_rank(tmp_path, level):
-    run_distributed(cp_equals_cp1, str(tmp_path), level)
+    """CP=2: every family at S=32 (one query block, read by both sequences), and the two-mixer families over two
+    query blocks, in each of which one sequence reads no attention: 2 blocks skipped per attention call."""
+    assert_documents_cross_chunks(2)
+    assert_documents_cross_chunks(2, LONG)
+    assert unread_blocks(inputs()[2]) == 0 and unread_blocks(inputs(s=LONG)[2]) == 2
+    cases = [dict(families=FAMILIES), dict(families=["oryx_tg", "oryx_tm"], seq_length=LONG)]
+    run_distributed(each_case, str(tmp_path), level, cases)
 
 
+@pytest.mark.four_ranks
 @pytest.mark.parametrize("level,sp", [("mixer", False), ("model", True)])
-def test_tensor_and_context_parallel_equal_one_rank(tmp_path, level, sp):
-    """TP=2 x CP=2 (the model with sequence parallelism): 4 processes, one head per rank of the tiny models."""
-    run_distributed(cp_equals_cp1, str(tmp_path), level, ["oryx_tg", "oryx_tm", "transformer"], 2, 2, sp,
-                    world_size=4)
+def test_four_context_parallel_ranks_alone_and_with_tensor_parallelism_equal_one_rank(tmp_path, level, sp):
+    """CP=4, and TP=2 x CP=2 (the model with sequence parallelism), every family: 4 processes, one head per rank
+    of the tiny models."""
+    assert_documents_cross_chunks(4)
+    run_distributed(each_case, str(tmp_path), level, [dict(cp=4), dict(tp=2, cp=2, sp=sp)], world_size=4)
 
 
 def router_cp_equals_cp1():
     """The router's logits at CP=2 (readouts of this rank's heads over the whole sequence, gathered) equal one
-    rank's; a loss split over the ranks gives, summed, one rank's parameter gradients."""
+    rank's; a loss split over the ranks gives, summed, one rank's parameter gradients. Oryx-TG and Oryx-TM, a
+    router of the first layer and of two (the first layer's all-linear forward, then the second's readouts)."""
     _, _, _, ids, documents = inputs()
-    results = []
-    for cp in (1, 2):
-        initialize_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
-        args = tiny_args("oryx_tg", router_hidden=8)
-        torch.manual_seed(0)
-        model = build_model(args, transformer_config(args, params_dtype=torch.float64, context_parallel_size=cp))
-        with torch.no_grad():
-            model.router.fc2.weight.normal_()  # nonzero logits (the router starts at p = 0.5)
-        logits = model.route(this_rank_tokens(ids[:, :-1], 1), 4, documents)  # [b, S / 4], every chunk's
-        share = torch.arange(logits.shape[1]) % cp == parallel_state.get_context_parallel_rank()  # a rank's chunks
-        (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits) * share).sum().backward()
-        results.append((logits.detach(), summed_grads(model)))
-    (ref, ref_grads), (got, grads) = results
-    assert (got - ref).abs().max() < 1e-10
-    assert grads.keys() == ref_grads.keys() and any("router" in n for n in grads) and any("mixer" in n for n in grads)
-    for name, grad in grads.items():
-        assert (grad - ref_grads[name]).abs().max() < 1e-10, name
+    for family, router_layers in itertools.product(("oryx_tg", "oryx_tm"), (1, 2)):
+        results = []
+        for cp in (1, 2):
+            initialize_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+            args = tiny_args(family, router_hidden=8, router_layers=router_layers)
+            torch.manual_seed(0)
+            model = build_model(args, transformer_config(args, params_dtype=torch.float64, context_parallel_size=cp))
+            with torch.no_grad():
+                model.router.fc2.weight.normal_()  # nonzero logits (the router starts at p = 0.5)
+            logits = model.route(this_rank_tokens(ids[:, :-1], 1), 4, documents)  # [b, S / 4], every chunk's
+            share = torch.arange(logits.shape[1]) % cp == parallel_state.get_context_parallel_rank()  # a rank's chunks
+            (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits) * share).sum().backward()
+            results.append((logits.detach(), summed_grads(model)))
+        (ref, ref_grads), (got, grads) = results
+        case = f"{family}, router_layers={router_layers}"
+        assert (got - ref).abs().max() < 1e-10, case
+        assert grads.keys() == ref_grads.keys() and any("router" in n for n in grads), case
+        assert any(f"layers.{router_layers - 1}.mixer" in n for n in grads), case  # every routed layer's mixer
+        for name, grad in grads.items():
+            assert (grad - ref_grads[name]).abs().max() < 1e-10, f"{case}: {name}"
 
 
 def test_the_router_at_context_parallel_equals_one_rank():

@@ -1,13 +1,16 @@
-"""oryx-train with context parallelism (2 gloo processes): a CP=2 run follows the one-process loss curve, resumes
-exactly, and its checkpoints are CP-agnostic (a CP=2 checkpoint resumes at CP=1 and a CP=1 one at CP=2); bad CP
-layouts are one line naming the key."""
+"""oryx-train with context parallelism (2 gloo processes): a CP=2 run on packed short documents (EODs inside the
+windows, at CP chunk edges too) follows the one-process loss curve, resumes exactly, and its checkpoints are
+CP-agnostic (a CP=2 checkpoint resumes at CP=1 and a CP=1 one at CP=2, both on the uninterrupted run's curve); bad
+CP layouts are one line naming the key."""
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from oryx_megatron.run_config import ConfigError
+from oryx_megatron.training import steps
 from oryx_megatron.training.loop import pretrain
 from tests.distributed import run_distributed
 from tests.test_train import LAYOUT_TOLERANCE, losses, run_config
@@ -19,16 +22,39 @@ def _run(tmp: str, corpus: dict, overrides: list, output: str) -> None:
     assert pretrain(run_config(corpus, Path(tmp), *overrides), output) == 0
 
 
+def document_starts(batches: list, chunk: int):
+    """(inside a chunk, at a chunk edge) of ``chunk`` tokens: how many documents start (besides at 0) in the windows
+    of ``batches``, by whether they start a chunk (a context-parallel rank's share is made of such chunks)."""
+    inside = at_edges = 0
+    for batch in batches:
+        starts = (batch["document_ids"][:, 1:] != batch["document_ids"][:, :-1]).nonzero()[:, 1] + 1
+        at_edges += int((starts % chunk == 0).sum())
+        inside += int((starts % chunk != 0).sum())
+    return inside, at_edges
+
+
 @pytest.mark.parametrize("family", ["oryx_tg", "transformer"])
-def test_a_context_parallel_run_follows_the_one_process_curve(corpus, tmp_path, family):
+def test_a_context_parallel_run_follows_the_one_process_curve(short_documents, tmp_path, family, monkeypatch):
     common = ["train.train_iters=5", f"model.family={family}", "data.reset_at_eod=true"]
-    assert pretrain(run_config(corpus, tmp_path / "ref", *common), str(tmp_path / "ref/out")) == 0
-    run_distributed(_run, str(tmp_path / "cp2"), corpus, common + CP2, str(tmp_path / "cp2/out"))
+    read = []  # the micro-batches the one-process run read (the CP=2 run reads the same; each rank all of them)
+    original = steps.get_batch
+
+    def recording(*args):
+        read.append(original(*args))
+        return read[-1]
+
+    monkeypatch.setattr(steps, "get_batch", recording)
+    assert pretrain(run_config(short_documents, tmp_path / "ref", *common), str(tmp_path / "ref/out")) == 0
+    # 5 steps of 4 micro-batches of 2 windows of 64 tokens: documents start inside the 16-token chunks of CP=2 and
+    # exactly at their edges (after an EOD at a chunk's last position), as many as the documents' lengths and the
+    # loader's seeded order give (the `corpus` of whole source files: none in these windows, 1 window in 200)
+    assert len(read) == 20 and document_starts(read, 64 // 4) == (146, 10)
+    run_distributed(_run, str(tmp_path / "cp2"), short_documents, common + CP2, str(tmp_path / "cp2/out"))
     reference, curve = losses(tmp_path / "ref/out"), losses(tmp_path / "cp2/out")
     assert len(curve) == 5 and np.max(np.abs(np.array(curve) - reference)) < LAYOUT_TOLERANCE, (reference, curve)
     # the per-mode sums are the whole batch's too: attention-mode and linear-mode losses of every token. Each is
-    # a mean over about half the tokens, summed in another order: measured up to 2.2e-6 (4.7 ulps near 5.4, torch
-    # 2.11), so 8 ulps; a token lost or counted twice moves it by ~1e-3
+    # a mean over about half the tokens, summed in another order: measured up to 2.2e-6 on whole source files (4.7
+    # ulps near 5.4, torch 2.11), 1.3e-6 on these documents, so 8 ulps; a token lost or counted twice moves it by ~1e-3
     for key in ("train/loss_attention", "train/loss_linear"):
         assert np.max(np.abs(np.array(losses(tmp_path / "cp2/out", key)) - losses(tmp_path / "ref/out", key))) \
             < 2 * LAYOUT_TOLERANCE
@@ -38,20 +64,22 @@ def test_a_context_parallel_run_resumes_exactly_and_at_another_layout(corpus, tm
     straight = ["train.train_iters=6"]
     split = ["train.train_iters=6", "train.exit_interval=3", "checkpoint.save_at_end=true"]
     run_distributed(_run, str(tmp_path / "cp2"), corpus, straight + CP2, str(tmp_path / "cp2/out"))
-    for part in ("first", "second"):  # 3 iterations at CP=2, stop (saving), resume at CP=2
-        run_distributed(_run, str(tmp_path / "cp2split"), corpus, split + CP2, str(tmp_path / f"cp2split/{part}"))
+    run_distributed(_run, str(tmp_path / "cp2split"), corpus, split + CP2, str(tmp_path / "cp2split/first"))
+    shutil.copytree(tmp_path / "cp2split/ckpt", tmp_path / "cp2to1/ckpt")  # CP=2's checkpoint at 3, for CP=1
+    run_distributed(_run, str(tmp_path / "cp2split"), corpus, split + CP2, str(tmp_path / "cp2split/second"))
     resumed = losses(tmp_path / "cp2split/first") + losses(tmp_path / "cp2split/second")
-    assert resumed == losses(tmp_path / "cp2/out")  # exact, not approximately
+    assert len(resumed) == 6 and resumed == losses(tmp_path / "cp2/out")  # 3 at CP=2, stop, 3 more: exact
 
-    # CP=2's checkpoint at 3 continues at CP=1 (one process) and CP=1's at CP=2: CP-agnostic checkpoints
+    # CP=2's checkpoint at 3 continues at CP=1 (one process) and CP=1's at CP=2: CP-agnostic checkpoints, both on
+    # the uninterrupted run's curve (the weights at 3 are CP=2's, a few fp32 ulps from CP=1's: LAYOUT_TOLERANCE)
     assert pretrain(run_config(corpus, tmp_path / "cp1", *straight), str(tmp_path / "cp1/out")) == 0
+    assert pretrain(run_config(corpus, tmp_path / "cp2to1", *split), str(tmp_path / "cp2to1/second")) == 0  # CP=1
     assert pretrain(run_config(corpus, tmp_path / "mixed", *split), str(tmp_path / "mixed/first")) == 0  # CP=1
     run_distributed(_run, str(tmp_path / "mixed"), corpus, split + CP2, str(tmp_path / "mixed/second"))  # CP=2
-    assert pretrain(run_config(corpus, tmp_path / "cp2split", "train.train_iters=8"),
-                    str(tmp_path / "cp2split/third")) == 0  # CP=2's checkpoint at 6, on at CP=1
-    mixed = losses(tmp_path / "mixed/first") + losses(tmp_path / "mixed/second")
-    assert np.max(np.abs(np.array(mixed) - losses(tmp_path / "cp1/out"))) < LAYOUT_TOLERANCE
-    assert len(losses(tmp_path / "cp2split/third")) == 2
+    uninterrupted = losses(tmp_path / "cp1/out")
+    for first, second in (("cp2split/first", "cp2to1/second"), ("mixed/first", "mixed/second")):
+        curve = losses(tmp_path / first) + losses(tmp_path / second)
+        assert len(curve) == 6 and np.max(np.abs(np.array(curve) - uninterrupted)) < LAYOUT_TOLERANCE, (first, second)
 
 
 @pytest.mark.parametrize("override,message", [
