@@ -114,22 +114,32 @@ def test_generation_decides_each_chunk_as_one_routing_pass_over_the_whole_sequen
     """Prefill decides the prompt's chunks from one routing pass; each later chunk is decided at its first
     token, from the first layer's reads of it before that token's step (``route_step``; a router of two
     layers reads the all-linear pass that generation keeps beside the model's). The logits equal one
-    parallel forward over prompt + output with the modes route_modes gives it."""
+    parallel forward over prompt + output with the modes route_modes gives it. Under a budget the router
+    wants more chunks than the quota allows: generation reads attention on at most budget x chunks + 1
+    chunk (its tokens: budget x tokens + one chunk's), where its wishes alone would read more."""
     model, args = routed_model(router_layers=router_layers)
+    parsed = parse_schedule(schedule)
+    if parsed.budget is not None:
+        with torch.no_grad():
+            model.router.fc2.bias.add_(0.6)  # p from ~0.5 up: it wants 2 of each sequence's 3 and 4 chunks
     prompts = [tokens(args, 1, 13, seed=2)[0].tolist(), tokens(args, 1, 21, seed=3)[0].tolist()]  # ragged
     result = generate(model, prompts, schedule, 12, output_logits=True)
-    parsed = parse_schedule(schedule)
-    fractions = []
+    attention_tokens, over_quota = 0, False
     for prompt, new, logits in zip(prompts, result.tokens, result.logits):
-        ids = torch.tensor([prompt + new[:-1]])
+        ids = torch.tensor([prompt + new[:-1]])  # 24 and 32 tokens: whole chunks
         with torch.no_grad():
             modes = route_modes(model, parsed, ids)
             want = model(ids, modes)[0, len(prompt) - 1:]
         assert (logits - want).abs().max() < 1e-9
-        fractions.append(float((modes == Mode.ATTENTION).float().mean()))
-    if parsed.budget is not None:
-        assert all(f <= parsed.budget + CHUNK / len(p) for f, p in zip(fractions, prompts))
-    assert 0 < max(fractions) and result.stats.attention_fraction > 0  # some chunk read attention
+        attention_tokens += int((modes == Mode.ATTENTION).sum())
+        if parsed.budget is not None:  # the quota after each chunk, and the reads the router wants without it
+            allowed = parsed.budget * torch.arange(1, ids.shape[1] // CHUNK + 1) + 1
+            assert ((modes[0, ::CHUNK] == Mode.ATTENTION).cumsum(0) <= allowed).all(), modes[0, ::CHUNK]
+            threshold = ChunkDecisions(model, parsed, 1, "cpu").threshold
+            wishes = route_modes(model, RouterSchedule(threshold=threshold), ids)
+            over_quota |= bool(((wishes[0, ::CHUNK] == Mode.ATTENTION).cumsum(0) > allowed).any())
+    assert result.stats.tokens_per_mode["attention"] == attention_tokens > 0  # what generation read: some attention
+    assert over_quota == (parsed.budget is not None)  # a path ignoring the quota would fail the bound above
 
 
 def test_bad_router_specs_give_one_named_line():
