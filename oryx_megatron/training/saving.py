@@ -15,10 +15,11 @@ its files' hashes, or how it died), megatron's (rank 0 writes ``.metadata``, the
 ``_publish``: rank 0 writes ``run_config.yaml``, ``checksums.sha256`` (``checkpoint.checksums``: last, so a
 checkpoint that has it is complete), moves `latest` and applies retention. A kill anywhere before that leaves
 `latest` on the previous complete checkpoint. A writer that died while the trainer lives (killed, out of memory;
-or one of the worker processes megatron forks per file, which ``_WorkerWatch`` notices, since megatron would
-wait for it forever) fails the save on every rank as ONE ``CheckpointError`` line naming the checkpoint, at the
-first ``poll`` after every rank's writer has ended (at the latest the next save or the run's end). One save is
-in flight at a time: a new save, the end of training and the exit for requeue wait for it (``finish``).
+or one of the worker processes megatron-core 0.16 forks per file, 0.19 writing in threads, which ``_WorkerWatch``
+notices, since megatron would wait for it forever) fails the save on every rank as ONE ``CheckpointError`` line
+naming the checkpoint, at the first ``poll`` after every rank's writer has ended (at the latest the next save or
+the run's end). One save is in flight at a time: a new save, the end of training and the exit for requeue wait
+for it (``finish``).
 Metrics: ``checkpoint/blocking_s`` (what a save call blocked the loop), and, when an async save completes,
 ``checkpoint/background_s`` (its slowest rank's write and hashing) and ``checkpoint/finalize_s`` (what completing
 it blocked the loop, with any wait for the writers).
@@ -101,11 +102,11 @@ class _HashingWriter:
 
 
 class _WorkerWatch(threading.Thread):
-    """In an async save's writer: megatron's write forks a worker process per file and waits for every one of
-    them on a queue, forever if one dies (killed, out of memory). Every ``WATCH_S`` this thread looks at the
-    writer's child processes without reaping them (``waitid`` with ``WNOWAIT``); when one has ended abnormally
-    it kills and reaps the others, reports why through the pipe and ends the writer, so that the save fails
-    instead of hanging the trainer at its next save."""
+    """In an async save's writer: megatron-core 0.16's write forks a worker process per file (0.19's writes in
+    threads: nothing to watch) and waits for every one of them on a queue, forever if one dies (killed, out of
+    memory). Every ``WATCH_S`` this thread looks at the writer's child processes without reaping them (``waitid``
+    with ``WNOWAIT``); when one has ended abnormally it kills and reaps the others, reports why through the pipe
+    and ends the writer, so that the save fails instead of hanging the trainer at its next save."""
 
     def __init__(self, report_to):
         super().__init__(name="ckpt-worker-watch", daemon=True)

@@ -23,6 +23,7 @@ from oryx_megatron.checkpoint import CHECKSUMS, METADATA, CheckpointError, lates
 from oryx_megatron.checks.chaos.compare import checkpoint_tensors, compare_checkpoints
 from oryx_megatron.cli.errors import one_line
 from oryx_megatron.compat.cpu import cuda_to_cpu
+from oryx_megatron.compat.megatron import COMMON_FILE
 from oryx_megatron.parallel import initialize_parallel
 from oryx_megatron.training import saving
 from oryx_megatron.training.loop import Trainer, pretrain
@@ -153,13 +154,13 @@ def test_latest_moves_only_once_every_rank_has_written(corpus, tmp_path):
     _assert_bitwise_equal(tmp_path / "sync/iter_0000002", tmp_path / "ckpt/iter_0000002", world_size=2)
 
 
-def _assert_bitwise_equal(expected: Path, got: Path, world_size: int) -> None:
-    """The same .distcp shards (some from every rank), byte for byte, and every tensor loaded back bitwise
-    equal (same dtype, shape and bytes: -0.0 differs from 0.0, NaN payloads count)."""
+def _assert_bitwise_equal(expected: Path, got: Path, world_size: int, same_bytes: bool = True) -> None:
+    """The same .distcp shards (some from every rank), byte for byte (``same_bytes``), and every tensor loaded
+    back bitwise equal (same dtype, shape and bytes: -0.0 differs from 0.0, NaN payloads count)."""
     shards = sorted(f.name for f in expected.glob("*.distcp"))
     assert shards == sorted(f.name for f in got.glob("*.distcp"))
     assert {name.split("_")[2] for name in shards} == {str(rank) for rank in range(world_size)}, shards
-    for name in shards:
+    for name in shards if same_bytes else []:
         assert (expected / name).read_bytes() == (got / name).read_bytes(), name
     a, b = checkpoint_tensors(expected), checkpoint_tensors(got)
     tensors = [key for key, value in a.items() if isinstance(value, torch.Tensor)]
@@ -197,8 +198,10 @@ def _hold_the_write_of(monkeypatch, name: str) -> None:
 
 def _kill_the_write(trainer, whom: str) -> dict:
     """Once a worker of the save of KILLED is held mid-file: SIGKILL ``whom``, "writer" (the rank's writer
-    process and every worker it forked: the whole write) or "worker" (the held worker alone: megatron's writer
-    would wait for it forever), then wait for the writer to end. What was killed and the held file's size."""
+    process and every worker it forked: the whole write) or "worker" (the held worker alone: megatron-core 0.16's
+    writer would wait for it forever), then wait for the writer to end. What was killed (``worker``: None where
+    the workers are threads of the writer, as in megatron-core 0.19: killing the held one kills the writer) and
+    the held file's size."""
     ckpt = Path(trainer.ckpt_dir) / KILLED
     deadline = time.monotonic() + 60
     while not (markers := sorted(ckpt.glob("*.held"))) and time.monotonic() < deadline:
@@ -219,7 +222,8 @@ def _kill_the_write(trainer, whom: str) -> dict:
             killed.kill()
         pytest.fail(f"the writer of {KILLED} did not end after its worker was killed")
     shard = Path(markers[0].as_posix()[:-len(".held")])
-    return {"worker": worker.pid, "shard": shard.name, "bytes": shard.stat().st_size}
+    return {"worker": worker.pid if worker.pid != writer.pid else None, "shard": shard.name,
+            "bytes": shard.stat().st_size}
 
 
 def _writer_processes() -> list:
@@ -262,14 +266,14 @@ def test_a_writer_killed_while_the_trainer_lives_fails_its_save_in_one_line(sync
     out = str(tmp_path / "out")
     with monkeypatch.context() as patches:
         _hold_the_write_of(patches, KILLED)
-        for whom, what_died in [("writer", "background writer was killed by SIGKILL before it had written and "
-                                           "hashed its files"),
-                                ("worker", "background writer's worker process {worker} was killed by SIGKILL")]:
+        writer_died = "background writer was killed by SIGKILL before it had written and hashed its files"
+        for whom in ("writer", "worker"):
             with caplog.at_level("INFO", logger="oryx_megatron.train"):
                 error, stopped_at, killed = _train_killing_the_write(run, out, whom)
+            what_died = writer_died if whom == "writer" or killed["worker"] is None else \
+                f"background writer's worker process {killed['worker']} was killed by SIGKILL"
             assert str(error) == one_line(error) == (f"{ckpt / KILLED} is damaged: the save failed: rank 0's "
-                                                     f"{what_died.format(**killed)}; `latest` still names "
-                                                     f"iter_0000002"), whom
+                                                     f"{what_died}; `latest` still names iter_0000002"), whom
             assert stopped_at == 5 and latest_name(str(ckpt)).name == "iter_0000002", whom
             # killed mid-file: the held shard holds its first item only; megatron's finalize never ran
             assert 0 < killed["bytes"] < (sync / "ckpt" / KILLED / killed["shard"]).stat().st_size, killed
@@ -284,5 +288,9 @@ def test_a_writer_killed_while_the_trainer_lives_fails_its_save_in_one_line(sync
     assert f"resumed from {ckpt / 'iter_0000002'} at iteration 2" in caplog.text
     assert losses(out) == losses(sync / "out") and len(losses(out)) == 6
     verify_checkpoint(ckpt / "iter_0000006")
-    _assert_bitwise_equal(sync / "ckpt/iter_0000006", ckpt / "iter_0000006", world_size=1)
+    # the shards' bytes where the common state has a file of its own (megatron-core 0.16's common.pt); 0.19 pickles
+    # it into a shard, and pickle's memo follows object identity, which a resume changes (the scheduler's "max_lr"
+    # written out again, not referenced): there every tensor bitwise and the common state equal
+    _assert_bitwise_equal(sync / "ckpt/iter_0000006", ckpt / "iter_0000006", world_size=1,
+                          same_bytes=(sync / "ckpt/iter_0000006" / COMMON_FILE).exists())
     assert compare_checkpoints(sync / "ckpt/iter_0000006", ckpt / "iter_0000006")["common_state_diff"] == 0.0

@@ -13,7 +13,6 @@ import pytest
 from oryx_megatron.checkpoint import CHECKSUMS, METADATA
 from oryx_megatron.checks.chaos import driver as chaos_train
 from oryx_megatron.checks.chaos import watch
-from oryx_megatron.compat.megatron import COMMON_FILE
 from oryx_megatron.training import saving
 
 KILLS, ITERS, SAVE_INTERVAL = 3, 12, 3  # ~5 process starts of ~8 s each on 2 cores
@@ -37,9 +36,10 @@ def test_chaos_run_matches_the_uninterrupted_run(tmp_path, options):
     assert all(k["landed"] in ("step", "save", "write") for k in result["kills"]), result["kills"]
     assert watch.WRITER_NAME == saving.WRITER_NAME  # how the driver tells the writer processes
     # The aimed kill landed inside what it aimed at, with the group stopped: a save in progress (sync), or a
-    # background write, not before it (the save's blocking part had ended: the common state written, the
-    # writer forked) nor after it (a writer process alive, megatron's .metadata not yet written); and it left
-    # that save incomplete on disk, without checksums.
+    # background write, not before it (the save's blocking part had ended: its writer process forked and alive)
+    # nor after it (megatron's .metadata not yet written); and it left that save incomplete on disk, without
+    # checksums. (megatron-core 0.16 writes common.pt in the blocking part; 0.19 puts the common state in the
+    # shards.)
     aimed = [k for k in result["kills"] if k["aim"] == save_aim]
     assert len(aimed) == 1 and s["aimed_kills_off_target"] == 0, result["kills"]
     kill = aimed[0]
@@ -48,7 +48,7 @@ def test_chaos_run_matches_the_uninterrupted_run(tmp_path, options):
     assert CHECKSUMS not in kill["files_at_kill"] and CHECKSUMS not in kill["incomplete_files"], kill
     if save_aim == "write":
         assert kill["writers_at_kill"] >= 1 and s["kills_landed_inside_writes"] >= 1, kill
-        assert COMMON_FILE in kill["files_at_kill"] and METADATA not in kill["files_at_kill"], kill
+        assert METADATA not in kill["files_at_kill"], kill
     assert s["steps_lost_beyond_save_interval"] == 0, result["kills"]
     assert s["iterations_compared"] == ITERS
     assert s["final_loss_diff"] == 0.0 and s["max_loss_diff"] == 0.0
