@@ -21,6 +21,7 @@ from oryx_megatron.config import Mode
 from oryx_megatron.mixer import QUERY_BLOCK, MixerContext
 from oryx_megatron.mixer.attention import SDPAttention
 from oryx_megatron.models.builder import build_model, transformer_config
+from oryx_megatron.ops.chunking import document_starts
 from oryx_megatron.parallel import initialize_parallel
 from tests.distributed import run_distributed
 from tests.helpers import build_mixer, tiny_args
@@ -54,10 +55,10 @@ def packed_documents(s: int) -> torch.Tensor:
     return ids
 
 
-def document_starts(documents: torch.Tensor, cp: int):
+def document_start_positions(documents: torch.Tensor, cp: int):
     """(inside a CP chunk, at a chunk edge between two ranks): the positions where a document starts, besides 0."""
     chunk = documents.shape[1] // (2 * cp)
-    starts = sorted((documents[:, 1:] != documents[:, :-1]).nonzero()[:, 1].add(1).tolist())
+    starts = sorted(document_starts(documents).nonzero()[:, 1].tolist())
     edges = [p for p in starts if p % chunk == 0 and chunk_owner(p // chunk - 1, cp) != chunk_owner(p // chunk, cp)]
     return [p for p in starts if p % chunk], edges
 
@@ -191,7 +192,7 @@ def each_case(tmp: str, level: str, cases: list):
 
 def assert_documents_cross_chunks(cp: int, s: int = S):
     """``packed_documents`` start inside CP chunks and exactly at chunk edges between two ranks, where they claim."""
-    inside, at_edges = document_starts(packed_documents(s), cp)
+    inside, at_edges = document_start_positions(packed_documents(s), cp)
     assert (inside, at_edges) == ([5 * s // 32, 19 * s // 32], [s // 4, 3 * s // 4])
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from oryx_megatron.ops.chunking import document_starts
 from oryx_megatron.run_config import ConfigError
 from oryx_megatron.training import steps
 from oryx_megatron.training.loop import pretrain
@@ -22,12 +23,12 @@ def _run(tmp: str, corpus: dict, overrides: list, output: str) -> None:
     assert pretrain(run_config(corpus, Path(tmp), *overrides), output) == 0
 
 
-def document_starts(batches: list, chunk: int):
+def count_document_starts(batches: list, chunk: int):
     """(inside a chunk, at a chunk edge) of ``chunk`` tokens: how many documents start (besides at 0) in the windows
     of ``batches``, by whether they start a chunk (a context-parallel rank's share is made of such chunks)."""
     inside = at_edges = 0
     for batch in batches:
-        starts = (batch["document_ids"][:, 1:] != batch["document_ids"][:, :-1]).nonzero()[:, 1] + 1
+        starts = document_starts(batch["document_ids"]).nonzero()[:, 1]
         at_edges += int((starts % chunk == 0).sum())
         inside += int((starts % chunk != 0).sum())
     return inside, at_edges
@@ -48,7 +49,7 @@ def test_a_context_parallel_run_follows_the_one_process_curve(short_documents, t
     # 5 steps of 4 micro-batches of 2 windows of 64 tokens: documents start inside the 16-token chunks of CP=2 and
     # exactly at their edges (after an EOD at a chunk's last position), as many as the documents' lengths and the
     # loader's seeded order give (the `corpus` of whole source files: none in these windows, 1 window in 200)
-    assert len(read) == 20 and document_starts(read, 64 // 4) == (146, 10)
+    assert len(read) == 20 and count_document_starts(read, 64 // 4) == (146, 10)
     run_distributed(_run, str(tmp_path / "cp2"), short_documents, common + CP2, str(tmp_path / "cp2/out"))
     reference, curve = losses(tmp_path / "ref/out"), losses(tmp_path / "cp2/out")
     assert len(curve) == 5 and np.max(np.abs(np.array(curve) - reference)) < LAYOUT_TOLERANCE, (reference, curve)

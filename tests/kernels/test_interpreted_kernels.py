@@ -205,7 +205,6 @@ def test_comparison_catches_wrapper_bug(op, old, new, spoiled, kwargs, kernel_ca
     assert {name for name, e in errs.items() if not e <= MUTANT_ERR} == spoiled, errs
 
 
-
 @pytest.mark.parametrize("op", OUTPUTS)
 def test_the_runtime_probe_accepts_the_real_kernel(op, kernel_calls, capsys):
     """ops.probe's own comparison (PROBE_SHAPE, bf16 activations, an initial state; its seed) on the real
