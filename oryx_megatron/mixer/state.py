@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from oryx_megatron.ops.chunking import document_starts
 
 KV_BLOCK = 256  # KV cache positions allocated at a time
 
@@ -99,7 +100,7 @@ class MixerCache:
 
     def after_documents(self, document_ids: Tensor) -> None:
         """Move ``document_start`` to the last document start among s new tokens (before ``advance``)."""
-        starts = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0))  # [b, s]
+        starts = document_starts(document_ids)  # [b, s]
         index = torch.arange(starts.shape[1], device=starts.device)
         last = torch.where(starts, index, -1).amax(1)  # [b], -1: no new document
         self.document_start.copy_(torch.where(last >= 0, self.seqlen + last, self.document_start))

@@ -26,6 +26,7 @@ from oryx_megatron.compat.megatron import last_token_logits_only, static_inferen
 from oryx_megatron.layers.gpt_attention import CausalSDPAttention
 from oryx_megatron.models.layer_init import layer_init_rng
 from oryx_megatron.mixer.state import kv_capacity
+from oryx_megatron.ops.chunking import document_starts
 
 
 @dataclass
@@ -96,7 +97,7 @@ class TransformerCache:
         offset, device = self.seqlen, self.position.device
         starts = self.document_start[:, None].expand(-1, s)  # [b, s]: each new token's document start
         if document_ids is not None:
-            new = torch.nn.functional.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0))  # [b, s]
+            new = document_starts(document_ids)  # [b, s]
             first = torch.where(new, torch.arange(s, device=device), 0).cummax(dim=1).values  # 0: no new document
             starts = torch.where(first > 0, offset + first, starts)
         keys = torch.arange(offset + s, device=device)
