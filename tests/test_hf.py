@@ -15,7 +15,7 @@ from oryx_megatron.config import (
     ModelArgs,  # noqa: E402
 )
 from oryx_megatron.data.documents import document_ids  # noqa: E402
-from oryx_megatron.hf.convert import (  # noqa: E402
+from oryx_megatron.interop.hf_convert import (  # noqa: E402
     hf_config,
     hf_model,
     hf_to_megatron,

@@ -80,7 +80,7 @@ def test_export_writes_a_transformers_folder(exported):
 
 
 def test_export_config_records_document_resets(corpus, tmp_path):
-    from oryx_megatron.hf.convert import ConversionError, hf_config
+    from oryx_megatron.interop.hf_convert import ConversionError, hf_config
 
     packed = run_config(corpus, tmp_path, "data.reset_at_eod=true")
     assert hf_config(packed.model, packed, eod_id=EOD).reset_at_eod_token_id == EOD

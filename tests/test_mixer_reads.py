@@ -8,6 +8,7 @@ from oryx_megatron.config import Mode
 from oryx_megatron.mixer import MixerContext
 from oryx_megatron.mixer import context as mixer_context
 from oryx_megatron.mixer import state as mixer_state
+from oryx_megatron.models.params import mixer_parameter_counts
 from oryx_megatron.ops import causal_attention
 from tests.helpers import build_mixer, mix
 from tests.test_multi_mixer import (
@@ -159,7 +160,7 @@ def test_kv_gate_multiplies_keys_and_values_and_is_shared():
     plain, gated = build_mixer("oryx_tg"), build_mixer("oryx_tg", kv_gate="sigmoid")
     assert set(gated.layout.streams) - set(plain.layout.streams) == {"k_gate", "v_gate"}
     extra = plain.num_heads * (plain.d_k + plain.d_v) * HIDDEN  # the gates' rows of in_proj
-    p, g = plain.parameter_counts(), gated.parameter_counts()
+    p, g = mixer_parameter_counts(plain), mixer_parameter_counts(gated)
     assert g["shared"] - p["shared"] == extra and g["attention"] == p["attention"] and g["linear"] == p["linear"]
     x, modes = hidden_states(33), random_modes(34, chunk=4)
     assert (run_parallel(plain, x, modes) - run_parallel(gated, x, modes)).abs().max() > 1e-3

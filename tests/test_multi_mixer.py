@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from oryx_megatron.config import Mode
+from oryx_megatron.models.params import mixer_parameter_counts
 from tests.helpers import build_mixer, mix
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel")
@@ -147,7 +148,7 @@ def test_shared_query_attention_reads_with_the_linear_query():
     copy_weights(shared, separate, same_as={"q_attn": "q_lin"})
     x, modes = hidden_states(12), random_modes(13, chunk=4)
     assert (run_parallel(separate, x, modes) - run_parallel(shared, x, modes)).abs().max() < 1e-12
-    counts = shared.parameter_counts()
+    counts = mixer_parameter_counts(shared)
     # linear-only: the beta and alpha rows of in_proj, A_log and dt_bias; the query is shared now
     assert counts["attention"] == 0 and counts["linear"] == shared.num_heads * (2 * HIDDEN + 2)
 

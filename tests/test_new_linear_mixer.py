@@ -97,7 +97,7 @@ def test_tensor_parallel_equals_single_rank(tmp_path, level):
 def test_checkpoint_and_hf_export_give_the_same_logits(single_process_parallel, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from oryx_megatron.hf.convert import hf_config, hf_model, megatron_to_hf, model_args
+    from oryx_megatron.interop.hf_convert import hf_config, hf_model, megatron_to_hf, model_args
     from oryx_megatron.inference.checkpoint import load_model
     from oryx_megatron.run_config import TrainConfig
     from oryx_megatron.training.router import save_model

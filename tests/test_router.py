@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from oryx_megatron.config import Mode
+from oryx_megatron.data.schedules import RouterSchedule, parse_schedule
 from oryx_megatron.inference import generate
 from oryx_megatron.inference.routing import ChunkDecisions, route_modes
-from oryx_megatron.inference.schedules import RouterSchedule, parse_schedule
 from oryx_megatron.models.builder import build_model, transformer_config
 from tests.helpers import tiny_args
 

@@ -104,7 +104,7 @@ def test_oryx_generate_runs_a_router_budget_schedule(posthoc):
 def test_eval_tasks_add_a_router_row_and_curve(posthoc, tmp_path):
     from oryx_megatron.eval.mode_switch import evaluate_mode_switch
     from oryx_megatron.eval.ppl import evaluate_ppl
-    from oryx_megatron.inference.schedules import RouterSchedule
+    from oryx_megatron.data.schedules import RouterSchedule
 
     _, tmp = posthoc
     model, run = load_model(str(tmp / "ckpt"))

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # What each part of the library may import (besides itself and third-party packages). From the bottom:
 # config (the schemas), compat, launch, parallel (foundation); ops; data (with data.prep, oryx-prep's library; knows
 # no model); mixer (the one mixer core: plain torch); run_config (oryx-train's schema); checkpoint (checkpoint
-# files); layers (megatron holders) <- models <- {training, inference}; hf (the transformers front end) beside
-# inference, importing no training; eval; interop (checkpoint files to and from other formats); experiments and
+# files); layers (megatron holders) <- models <- {training, inference}; hf (the transformers front end) over the
+# core, the schema and the data layer's mode vocabulary only, no megatron; eval; interop (checkpoint files to and from other formats); experiments and
 # checks (harnesses, out of the runtime path); cli on top (nothing imports the console scripts).
 FOUNDATION = {"config", "compat", "launch", "parallel"}
 BELOW_MODELS = {"layers", "mixer", "ops", "data", "run_config", "checkpoint"} | FOUNDATION
@@ -32,7 +32,7 @@ ALLOWED = {
     "models": {"layers", "mixer", "ops", "run_config"} | FOUNDATION,  # params sets up parallel state; compat
     "training": {"models"} | BELOW_MODELS,
     "inference": {"models"} | BELOW_MODELS,
-    "hf": {"inference", "models", "mixer", "ops", "data", "run_config", "checkpoint"} | FOUNDATION,
+    "hf": {"mixer", "config", "data"},  # the core, the schema, the mode vocabulary: no megatron (an exported folder)
     "eval": {"inference", "training", "models"} | BELOW_MODELS,
     "interop": {"hf", "inference", "training", "models"} | BELOW_MODELS,
     "experiments": {"eval", "inference", "training", "models"} | BELOW_MODELS,
@@ -107,6 +107,21 @@ def test_the_mixer_core_imports_neither_megatron_nor_transformers():
 
     code = ("import sys, oryx_megatron.mixer, oryx_megatron.config; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'transformers', 'omegaconf'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_hugging_face_front_end_imports_no_megatron():
+    """An exported folder loads with torch and transformers alone: the HF front end, its model built and run,
+    imports no megatron module (nor omegaconf, the recipes' schema library)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, oryx_megatron.hf as hf; "
+            "c = hf.OryxHFConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, "
+            "intermediate_size=64, mixers='attention+gdn'); "
+            "hf.OryxForCausalLM(c)(torch.zeros(1, 4, dtype=torch.long), modes='linear'); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'omegaconf'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 

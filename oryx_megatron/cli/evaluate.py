@@ -26,10 +26,10 @@ from typing import List, Optional
 
 from oryx_megatron.cli.common import add_model_arguments, load_checkpoint
 from oryx_megatron.cli.errors import InputError, command_parser, one_line, run_command
+from oryx_megatron.data.schedules import parse_schedule
 from oryx_megatron.eval.mode_switch import evaluate_mode_switch
 from oryx_megatron.eval.ppl import evaluate_ppl
 from oryx_megatron.eval.retrieval import evaluate_retrieval
-from oryx_megatron.inference.schedules import parse_schedule
 
 TASKS = ("ppl", "mode_switch", "mqar", "niah")
 

@@ -4,7 +4,7 @@ A schedule's ``sample_modes(seq_len, sample_index, seed)`` gives the int8 per-to
 one training sample. Modes are a pure function of those three numbers, drawn from a
 counter-based generator seeded with ``[seed, sample_index]``, so every rank and every
 resumed run derives the same modes without communication. (Inference applies the same
-schedules to the positions of a prompt and its continuation: ``inference.schedules``.)
+schedules to the positions of a prompt and its continuation: ``data.schedules``.)
 
 Named schedules (``build_mode_schedule({"name": ..., **fields})``, or the text form
 ``build_mode_schedule("switch_at t=512 before=linear")`` that ``str(schedule)`` writes):

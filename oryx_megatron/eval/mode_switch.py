@@ -36,8 +36,8 @@ from torch import Tensor
 
 from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import all_attention, all_linear, switch_at
+from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.eval.ppl import schedule_batches, token_losses
-from oryx_megatron.inference.schedules import RouterSchedule
 from oryx_megatron.run_config import TrainConfig
 
 CURVES = ("all_attention", "all_linear", "attention_to_linear", "linear_to_attention")

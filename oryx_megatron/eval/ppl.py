@@ -24,9 +24,9 @@ from oryx_megatron.data.modes import (
     build_mode_schedule,
     linear_then_attention,
 )
+from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.data.shards import Manifest
 from oryx_megatron.inference.routing import route_modes
-from oryx_megatron.inference.schedules import RouterSchedule
 from oryx_megatron.parallel import this_rank_tokens, whole_sequences
 from oryx_megatron.run_config import TrainConfig
 from oryx_megatron.training.builders import build_loader

@@ -20,10 +20,10 @@ from torch import Tensor
 from oryx_megatron.compat.cpu import cuda_to_cpu
 from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import ModeSchedule, all_attention, all_linear
+from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.data.tasks import mqar, niah
 from oryx_megatron.eval.ppl import dataset_vocab, heldout_batches
 from oryx_megatron.inference.routing import route_modes
-from oryx_megatron.inference.schedules import RouterSchedule
 from oryx_megatron.parallel import this_rank_tokens, whole_sequences
 from oryx_megatron.run_config import TrainConfig
 

@@ -31,9 +31,9 @@ from oryx_megatron.data.modes import (
     all_attention,
     all_linear,
 )
+from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.eval.ppl import dataset_vocab, schedule_batches, token_losses
 from oryx_megatron.eval.retrieval import answer_accuracy, build_task
-from oryx_megatron.inference.schedules import RouterSchedule
 from oryx_megatron.run_config import TrainConfig
 
 QUALITIES = ("mqar", "ppl")

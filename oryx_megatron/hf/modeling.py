@@ -24,13 +24,14 @@ from transformers.utils import ModelOutput
 from oryx_megatron.config import Mode
 from oryx_megatron.data.documents import document_ids as count_documents
 from oryx_megatron.data.modes import parse_mode
+from oryx_megatron.data.schedules import as_inference_schedule
 from oryx_megatron.hf.cache import OryxCache
 from oryx_megatron.hf.configuration import OryxHFConfig
-from oryx_megatron.inference.schedules import as_inference_schedule
 from oryx_megatron.mixer import (
     ChunkRouter,
     HeadModule,
     HeadShard,
+    MixerCache,
     MixerContext,
     OryxMixer,
 )
@@ -61,9 +62,10 @@ class OryxDecoderLayer(nn.Module):
         self.pre_mlp_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = OryxMLP(config)
 
-    def forward(self, hidden: Tensor, context: MixerContext, cache: Optional[OryxCache], index: int) -> Tensor:
-        layer_cache = None if cache is None else cache.layers[index]
-        hidden = hidden + self.mixer(self.input_layernorm(hidden), context, layer_cache)
+    def forward(self, hidden: Tensor, context: MixerContext, cache: Optional[MixerCache] = None) -> Tensor:
+        """hidden [b, s, hidden]; ``cache``: this layer's inference state. The call megatron's layer answers too, so
+        that the routing pass (``mixer.router``) runs over either front end's layers."""
+        hidden = hidden + self.mixer(self.input_layernorm(hidden), context, cache)
         return hidden + self.mlp(self.pre_mlp_layernorm(hidden))
 
 
@@ -125,7 +127,7 @@ class OryxModel(OryxPreTrainedModel):
         context = MixerContext.build(self.config.mixer_config, self._modes(modes, b, s, offset, hidden.device),
                                      document_ids, decode=decode)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, context, cache, i)
+            hidden = layer(hidden, context, None if cache is None else cache.layers[i])
         if cache is not None and input_ids is not None:
             cache.last_tokens = input_ids[:, -1]
         return self.norm(hidden)
@@ -236,7 +238,7 @@ class OryxForCausalLM(OryxPreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: Optional[Tensor] = None, schedule=None, **kwargs):
         """transformers' ``generate`` with ``schedule``: the mode of every fed position, in the project's
-        vocabulary (``oryx_megatron.inference.schedules``: ``"all_linear"``, ``"prefill=linear
+        vocabulary (``oryx_megatron.data.schedules``: ``"all_linear"``, ``"prefill=linear
         decode=attention"``, ``"linear:0-100,attention:100-"``, ...), the prompt being ``inputs``; default: every
         token reads ``config.default_mode``. A model trained with ``reset_at_eod`` restarts its states after
         each EOD token, of the prompt or generated."""

@@ -1,10 +1,7 @@
 """Inference: mode schedules for prompts and continuations, sampling, batched generation with
 static caches (CUDA graphs on GPU), self-speculative decoding."""
 
-from oryx_megatron.inference.generation import GenerationResult, GenerationStats, generate
-from oryx_megatron.inference.speculative import accept_drafts, speculative_generate
-from oryx_megatron.inference.sampling import Sampler, SamplingParams
-from oryx_megatron.inference.schedules import (
+from oryx_megatron.data.schedules import (
     ALL_ATTENTION,
     ALL_LINEAR,
     LINEAR_PREFILL,
@@ -16,6 +13,9 @@ from oryx_megatron.inference.schedules import (
     as_inference_schedule,
     parse_schedule,
 )
+from oryx_megatron.inference.generation import GenerationResult, GenerationStats, generate
+from oryx_megatron.inference.speculative import accept_drafts, speculative_generate
+from oryx_megatron.inference.sampling import Sampler, SamplingParams
 
 __all__ = [
     "ALL_ATTENTION", "ALL_LINEAR", "LINEAR_PREFILL", "GenerationResult", "GenerationStats",

@@ -35,13 +35,13 @@ import torch
 from torch import Tensor
 
 from oryx_megatron.config import Mode
+from oryx_megatron.data.schedules import InferenceSchedule, RouterSchedule, as_inference_schedule
 from oryx_megatron.inference.cuda_graphs import decode_step, use_cuda_graphs
 from oryx_megatron.inference.forward import (
     cached_logits, check_model, eval_mode, mode_arg, prompt_documents, reset_documents,
 )
 from oryx_megatron.inference.routing import ChunkDecisions
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
-from oryx_megatron.inference.schedules import InferenceSchedule, RouterSchedule, as_inference_schedule
 from oryx_megatron.models.transformer import TransformerBaseline
 
 NO_KV_CACHE = "no KV cache (kv_cache=False / --no-kv-cache)"  # what a linear-only cache cannot read

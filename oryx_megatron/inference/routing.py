@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from oryx_megatron.config import Mode
-from oryx_megatron.inference.schedules import RouterSchedule
+from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.mixer.router import ROUTER_THRESHOLD
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from oryx_megatron.config import Mode
+from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.inference.cuda_graphs import StepFn, decode_step, use_cuda_graphs
 from oryx_megatron.inference.forward import (
     cached_logits, check_model, eval_mode, prompt_documents, reset_documents, restore, snapshot,
@@ -44,7 +45,6 @@ from oryx_megatron.inference.generation import (
 )
 from oryx_megatron.inference.routing import ChunkDecisions
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
-from oryx_megatron.inference.schedules import RouterSchedule
 from oryx_megatron.models.transformer import TransformerBaseline
 
 

@@ -18,8 +18,8 @@ from typing import Dict, Optional
 import torch
 from transformers import GenerationConfig
 
-from oryx_megatron.hf.convert import hf_config, hf_model, megatron_to_hf
 from oryx_megatron.hf.tokenizer import hf_tokenizer
+from oryx_megatron.interop.hf_convert import hf_config, hf_model, megatron_to_hf
 from oryx_megatron.models.builder import padded_vocab_size
 from oryx_megatron.run_config import TrainConfig
 

@@ -27,7 +27,7 @@ from oryx_megatron.checkpoint import LATEST, load_sharded
 from oryx_megatron.compat.cpu import cuda_to_cpu
 from oryx_megatron.config import ModelArgs
 from oryx_megatron.hf.configuration import MODEL_TYPE, OryxHFConfig
-from oryx_megatron.hf.convert import LLAMA, ConversionError, hf_to_megatron, model_args
+from oryx_megatron.interop.hf_convert import LLAMA, ConversionError, hf_to_megatron, model_args
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import current_device, destroy_parallel, initialize_parallel
 from oryx_megatron.run_config import TrainConfig, load_train_config

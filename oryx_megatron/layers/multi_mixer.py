@@ -1,5 +1,6 @@
-"""``MultiMixer``: the Oryx mixer (``oryx_megatron.mixer.OryxMixer``) as a megatron layer part. It holds the
-parameters the megatron way and leaves the math to the mixer core: the fused input projection is a
+"""``MultiMixer``: the Oryx mixer (``oryx_megatron.mixer.OryxMixer``) built from megatron's parts, as the spec's
+mixer slot. It adds only what megatron asks of a layer part, its construction from a spec and its sharded
+checkpoint, and leaves the math to the core, which it overrides nothing of: the fused input projection is a
 column-parallel linear from the spec (all-gathering the sequence under sequence parallelism), the output
 projection a row-parallel one, the attention the spec's core attention; the per-head parameters (convs,
 norm weight, the linear mixer's scalars) hold this rank's heads and checkpoint as shards of the full tensors
@@ -21,7 +22,6 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
-from torch import Tensor
 
 from oryx_megatron.layers.config import OryxConfig
 from oryx_megatron.mixer import ContextParallel, HeadModule, HeadShard, MixerLayout, OryxMixer
@@ -38,7 +38,7 @@ class MultiMixerSubmodules:
 
 class MultiMixer(OryxMixer):
     """Shared-K/V sequence mixer; input and output hidden states are [s, b, hidden] (sequence-sharded under
-    sequence parallelism); ``forward`` returns (out, bias) as megatron's layers do."""
+    sequence parallelism); ``forward`` returns (out, bias), as the row-parallel ``out_proj`` does."""
 
     def __init__(self, config: OryxConfig, submodules: MultiMixerSubmodules, layer_number: int = 1):
         tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -57,7 +57,7 @@ class MultiMixer(OryxMixer):
         cp = ContextParallel(parallel_state.get_context_parallel_group())  # the mixing splits heads, not tokens
         shard = HeadShard(tp_group.size(), tp_group.rank(), config.params_dtype, device, config.perform_initialization,
                           cp)
-        super().__init__(config, shard, in_proj, out_proj, core_attention)
+        super().__init__(config, shard, in_proj, out_proj, core_attention, sequence_first=True)
         self.layer_number, self.tp_group = layer_number, tp_group
         self.recompute = config.recompute_granularity == "selective"
         for module in self._head_modules().values():
@@ -65,21 +65,6 @@ class MultiMixer(OryxMixer):
                 set_tensor_model_parallel_attributes(getattr(module, name), is_parallel=True, dim=0, stride=1)
         if layer_number == 1:
             logger.info("MultiMixer kernels (%s): %s", config.kernel_backend, self.kernels.names)
-
-    # ---- megatron's layout: [s, b, hidden], (out, bias) ----
-    def _tokens(self, hidden: Tensor) -> int:
-        return hidden.shape[0]
-
-    def _projection(self, hidden: Tensor) -> Tensor:
-        """[s, b, hidden] -> [b, s, h, width of every stream] (all-gathered sequence under SP)."""
-        proj, _ = self.in_proj(hidden)  # [s, b, h * sum(widths)]
-        s, b = proj.shape[:2]
-        return proj.transpose(0, 1).reshape(b, s, self.num_heads, -1)
-
-    def _output(self, y: Tensor):
-        """Shared W_O: [b, s, h, d_v] -> ([s, b, hidden], bias)."""
-        b, s = y.shape[:2]
-        return self.out_proj(y.reshape(b, s, -1).transpose(0, 1).contiguous())
 
     # ---- checkpoints ----
     def _head_modules(self) -> Dict[str, HeadModule]:

@@ -22,6 +22,11 @@ query blocks that hold a reader, the linear scan when a token reads it or its st
 All streams come from one head-major projection ``in_proj`` (``MixerLayout``), so tensor parallelism splits
 heads: a column-parallel ``in_proj`` hands each rank whole heads, the convs, norm weight and the linear mixer's
 scalars are split with their heads (``HeadShard``), and ``out_proj`` is row-parallel.
+
+Both front ends hold this class the same way, built from their parts: the Hugging Face model with plain
+``nn.Linear`` projections over [b, s, hidden], megatron's layer (layers/multi_mixer.py) with its parallel linears
+over [s, b, hidden] (``sequence_first``). What a router reads of it, and the routing pass, are mixer/router.py's;
+the inference state it reads and writes, ``MixerCache``'s (mixer/state.py).
 """
 
 from typing import Dict, Optional, Tuple, Union
@@ -32,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from oryx_megatron.config import MixerConfig, Mode
 from oryx_megatron.mixer.attention import SDPAttention
-from oryx_megatron.mixer.context import MixerContext, RouterReadouts
+from oryx_megatron.mixer.context import MixerContext
 from oryx_megatron.mixer.heads import GatedRMSNorm, HeadModule, HeadShard, ShortConv
 from oryx_megatron.mixer.layout import MixerLayout
 from oryx_megatron.mixer.linear import linear_mixer_class
@@ -49,13 +54,16 @@ from oryx_megatron.ops import (
 )
 
 class OryxMixer(HeadModule):
-    """Hidden states [b, s, hidden] in and out, through ``in_proj`` and ``out_proj`` (plain ``nn.Linear`` unless a
-    front end passes its own and overrides ``_projection`` / ``_output`` for its layout); ``core_attention``: the
-    attention slot (default ``SDPAttention``)."""
+    """Hidden states [b, s, hidden] in and out ([s, b, hidden] with ``sequence_first``), through ``in_proj`` and
+    ``out_proj``: plain ``nn.Linear`` unless a front end passes its own (a projection may return (output, bias), as
+    megatron's linears do: the input projection has no bias, and what ``out_proj`` returns is the mixer's output);
+    ``core_attention``: the attention slot (default ``SDPAttention``)."""
 
     def __init__(self, config: MixerConfig, shard: HeadShard = HeadShard(), in_proj: Optional[nn.Module] = None,
-                 out_proj: Optional[nn.Module] = None, core_attention: Optional[nn.Module] = None):
+                 out_proj: Optional[nn.Module] = None, core_attention: Optional[nn.Module] = None,
+                 sequence_first: bool = False):
         super().__init__(config, shard)
+        self.sequence_first = sequence_first
         self.layout = MixerLayout.of(config)
         self.kernels = get_kernels(config.kernel_backend)
         self.d_k, self.d_v = config.kv_channels, config.value_head_dim
@@ -93,34 +101,28 @@ class OryxMixer(HeadModule):
 
     def _mix(self, x: Dict[str, Tensor], context: MixerContext, cache: Optional[MixerCache]) -> Tensor:
         """Projected streams -> each token's read, normed and gated: [b, s, h, d_v]."""
-        x = dict(x)  # a recomputation gets the projected streams again
+        x, conv_states = dict(x), {}  # a recomputation gets the projected streams again
         for name in self.layout.conv_streams:  # shared short convs (and the linear query's)
-            state = cache.conv_states[name] if cache is not None and cache.seqlen > 0 else None
-            x[name], state = self._conv(x[name], name, state, context.documents)
-            if cache is not None:
-                cache.conv_states[name].copy_(state)
+            initial = None if cache is None else cache.initial_conv_state(name)
+            x[name], conv_states[name] = self._conv(x[name], name, initial, context.documents)
         self._gate_keys_and_values(x)
 
-        outputs = {}
+        outputs, recurrent_state = {}, None
         if self.layout.attention_query is not None:
             o = self._attend(x[self.layout.attention_query], x["k"], x["v"], context, cache)
             if o is not None:
                 outputs[Mode.ATTENTION] = o
         if self.linear_mixer is not None and (Mode.LINEAR in context.reads or cache is not None):  # absorbs all
-            initial = cache.recurrent_state if cache is not None else None
-            outputs[Mode.LINEAR], state = self.linear_mixer(x, initial, output_final_state=cache is not None,
-                                                            documents=context.documents)
-            if cache is not None:
-                cache.recurrent_state.copy_(state)
+            outputs[Mode.LINEAR], recurrent_state = self.linear_mixer(
+                x, None if cache is None else cache.recurrent_state, output_final_state=cache is not None,
+                documents=context.documents)
         if context.readouts is not None:
             if cache is not None and cache.seqlen > 0:
                 raise ValueError("the router reads a sequence from its start: route the whole prompt in one prefill")
             context.readouts.reads.append(self._chunk_readouts(x, outputs[Mode.LINEAR], context.readouts.chunk_size,
                                                                context.document_ids))
         if cache is not None:
-            if context.documents is not None:
-                cache.after_documents(context.documents.ids)
-            cache.advance(x["k"].shape[1])
+            cache.absorb(conv_states, recurrent_state, x["k"].shape[1], context.document_ids)
         return self._gated_norm(self._select(outputs, context), x["g"])
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, context: MixerContext,
@@ -149,16 +151,16 @@ class OryxMixer(HeadModule):
         there, [b, 1, h, 2, d_v]. Positions come from the cache's ``position`` tensor and every state is written
         in place: no host synchronisation, so the step can be captured in a CUDA graph."""
         x = {name: t.squeeze(1) for name, t in self._streams(self._projection(hidden)).items()}  # [b, h, width]
+        conv_states = {}
         for name in self.layout.conv_streams:
             b, h, d = x[name].shape
-            y, state = self.kernels.causal_conv1d_step(x[name].reshape(b, h * d), cache.conv_states[name],
-                                                       getattr(self, f"conv_{name}").local("weight"),
-                                                       activation=self.config.mixer_conv_activation)
-            cache.conv_states[name].copy_(state)
+            y, conv_states[name] = self.kernels.causal_conv1d_step(x[name].reshape(b, h * d), cache.conv_states[name],
+                                                                   getattr(self, f"conv_{name}").local("weight"),
+                                                                   activation=self.config.mixer_conv_activation)
             x[name] = y.view(b, h, d)
         self._gate_keys_and_values(x)
 
-        outputs = {}
+        outputs, recurrent_state = {}, None
         if self.layout.attention_query is not None:
             if cache.key is None:
                 self._refuse_attention_without_kv_cache(context)
@@ -171,10 +173,9 @@ class OryxMixer(HeadModule):
                     outputs[Mode.ATTENTION] = decode_attention(q, cache.key, cache.value, cache.position,
                                                                cache.document_start)
         if self.linear_mixer is not None:
-            o, state = self.linear_mixer.step(x, cache.recurrent_state)
+            o, recurrent_state = self.linear_mixer.step(x, cache.recurrent_state)
             outputs[Mode.LINEAR] = o[:, None]
-            cache.recurrent_state.copy_(state)
-        cache.advance(1)
+        cache.absorb(conv_states, recurrent_state, 1)
         gate = x["g"][:, None]
         if context.readouts is not None:
             context.readouts.reads.append(self._readouts(outputs[Mode.ATTENTION], outputs[Mode.LINEAR], gate))
@@ -201,46 +202,17 @@ class OryxMixer(HeadModule):
         document_start = torch.zeros(batch_size, dtype=torch.long, device=device)
         return MixerCache(conv_states, key, value, recurrent, position, document_start)
 
-    # ---- what a router reads (mixer/router.py) ----
-    def chunk_readouts(self, hidden: Tensor, chunk_size: int, documents: Optional[Documents] = None) -> Tensor:
-        """Both mixers' reads of the first token of every chunk of ``chunk_size`` positions: hidden -> [b,
-        ceil(s / chunk_size), h, 2, d_v] (``_readouts``; under context parallelism from this rank's tokens, every
-        head gathered). Neither read depends on any token's mode (both
-        memories absorb every token): in the first layer, whose input does not depend on modes either, they
-        are known before any mode is chosen. A layer's forward computes them on the way when its context
-        carries ``RouterReadouts`` (what a router of more than one layer reads)."""
-        self._require_both_mixers()
-        x = self._streams(self.shard.cp.to_heads(self._projection(hidden)))  # stream -> [b, s, h (/ cp), d]
-        for name in self.layout.conv_streams:
-            x[name], _ = self._conv(x[name], name, None, documents)
-        self._gate_keys_and_values(x)
-        linear, _ = self.linear_mixer(x, documents=documents)  # [b, s, h, d_v]
-        return self._chunk_readouts(x, linear, chunk_size, None if documents is None else documents.ids)
-
+    # ---- what a router reads (mixer/router.py), on the way of a forward or step ----
     def _chunk_readouts(self, x: Dict[str, Tensor], linear: Tensor, chunk_size: int,
                         document_ids: Optional[Tensor]) -> Tensor:
-        """``chunk_readouts`` from the convolved streams and the linear read [b, s, h, d_v] of a whole sequence."""
+        """Both mixers' reads (``_readouts``) of the first token of every chunk of ``chunk_size`` positions, from the
+        convolved streams and the linear read [b, s, h, d_v] of a whole sequence: [b, ceil(s / chunk_size), h, 2,
+        d_v] (under context parallelism from this rank's heads, every head gathered)."""
         s = x["k"].shape[1]
         starts = torch.arange(0, s, chunk_size, device=x["k"].device)  # [n]
         q = self._rotary(x[self.layout.attention_query][:, starts], starts, s)  # [b, n, h, d_k]
         attention = attention_at(q, self._rotary(x["k"], slice(0, s), s), x["v"], starts, document_ids)
         return self.shard.cp.all_heads(self._readouts(attention, linear[:, starts], x["g"][:, starts]))
-
-    def step_readouts(self, hidden: Tensor, cache: MixerCache) -> Tensor:
-        """``chunk_readouts`` of one new token at decode: hidden [b, 1, hidden] (the front end's layout) -> [b, 1,
-        h, 2, d_v], the cache left as it was (the token's own step follows, with the mode decided from these)."""
-        self._require_both_mixers()
-        readouts = RouterReadouts(chunk_size=1)
-        snapshot = cache.snapshot()
-        try:  # the step writes the token's key and value, which its real step rewrites
-            self.step(hidden, MixerContext(Mode.LINEAR, frozenset((Mode.LINEAR,)), readouts=readouts), cache)
-        finally:
-            cache.restore(snapshot)
-        return readouts.reads[0]
-
-    def _require_both_mixers(self) -> None:
-        if not self.config.is_multi_mixer:
-            raise ValueError(f"a router reads both mixers: mixers={self.config.mixers!r} has one")
 
     def _readouts(self, attention: Tensor, linear: Tensor, gate: Tensor) -> Tensor:
         """[b, n, h, d_v] reads and their gate -> [b, n, h, 2, d_v]: per head the attention read minus the
@@ -250,21 +222,27 @@ class OryxMixer(HeadModule):
 
     # ---- pieces shared by forward and step ----
     def _tokens(self, hidden: Tensor) -> int:
-        """Tokens per sequence of hidden states in this front end's layout ([b, s, hidden] here)."""
-        return hidden.shape[1]
+        """Tokens per sequence of hidden states in the front end's layout."""
+        return hidden.shape[0 if self.sequence_first else 1]
 
     def _projection(self, hidden: Tensor) -> Tensor:
-        """The fused input projection: [b, s, hidden] -> [b, s, h, width of every stream]."""
-        b, s = hidden.shape[:2]
-        return self.in_proj(hidden).view(b, s, self.num_heads, -1)
+        """The fused input projection: [b, s, hidden] ([s, b, hidden]: all-gathered sequence under megatron's
+        sequence parallelism) -> [b, s, h, width of every stream]."""
+        proj = self.in_proj(hidden)
+        proj = proj[0] if isinstance(proj, tuple) else proj  # (output, None): megatron's linear without bias
+        if self.sequence_first:
+            proj = proj.transpose(0, 1)
+        b, s = proj.shape[:2]
+        return proj.reshape(b, s, self.num_heads, -1)
 
     def _streams(self, proj: Tensor) -> Dict[str, Tensor]:
         """[b, s, h, width of every stream] -> stream -> [b, s, h, width] (``MixerLayout``)."""
         return dict(zip(self.layout.streams, proj.split(list(self.layout.streams.values()), dim=-1)))
 
     def _output(self, y: Tensor):
-        """Shared W_O: [b, s, h, d_v] -> [b, s, hidden]."""
-        return self.out_proj(y.reshape(*y.shape[:2], -1))
+        """Shared W_O: [b, s, h, d_v] -> [b, s, hidden] ([s, b, hidden]), as ``out_proj`` returns it."""
+        y = y.reshape(*y.shape[:2], -1)
+        return self.out_proj(y.transpose(0, 1).contiguous() if self.sequence_first else y)
 
     def _conv(self, x: Tensor, name: str, state: Optional[Tensor],
               documents: Optional[Documents]) -> Tuple[Tensor, Tensor]:
@@ -313,20 +291,3 @@ class OryxMixer(HeadModule):
     def _gated_norm(self, y: Tensor, gate: Tensor) -> Tensor:
         """Shared per-head norm and output gate: [b, s, h, d_v] (``GatedRMSNorm``)."""
         return self.out_norm(y, gate)
-
-    # ---- accounting ----
-    def parameter_counts(self) -> Dict[str, int]:
-        """Parameters (this rank) by use: 'shared' by every mixer, or specific to one mode: the input-projection
-        rows (and conv) of a stream only that mode reads, and for linear mode the linear mixer's own
-        parameters."""
-        total = sum(p.numel() for p in self.parameters())
-        if not self.config.is_multi_mixer:
-            return {"shared": total, "attention": 0, "linear": 0}
-        attention, linear = {self.layout.attention_query}, set(self.layout.linear_streams)
-        specific = {"attention": 0, "linear": sum(p.numel() for p in self.linear_mixer.parameters())}
-        for mode, only in (("attention", attention - linear), ("linear", linear - attention)):
-            for name in only:
-                specific[mode] += self.num_heads * self.layout.streams[name] * self.config.hidden_size
-                if name in self.layout.conv_streams:
-                    specific[mode] += getattr(self, f"conv_{name}").weight.numel()
-        return {"shared": total - sum(specific.values()), **specific}

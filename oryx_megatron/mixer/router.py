@@ -1,14 +1,14 @@
 """The chunk router: for each chunk of the sequence, the logit that its tokens should read attention.
 
 Causal by construction: the logit of chunk c reads only the chunk's first token and the tokens before it,
-through the first layer's two reads of that token (``OryxMixer.chunk_readouts``): per head the attention
+through the first layer's two reads of that token (``OryxMixer._chunk_readouts``): per head the attention
 read minus the linear read, and the linear read, each normed and gated as the layer's output is:
 
     f_c     = [y_attn - y_lin, y_lin](t = c * chunk)          [h, 2, d_v], layer 1
     logit_c = w2 . gelu(W1 f_c + b1) + b2
 
 With ``router_layers`` L > 1 it reads the same two reads in each of the first L layers of an all-linear
-pass, f_c [h, L, 2, d_v] (``OryxModel.route``): a deeper layer's reads depend on the layers below, and those
+pass, f_c [h, L, 2, d_v] (``route``): a deeper layer's reads depend on the layers below, and those
 are read all-linear, whatever modes are chosen, so the logits still come before any mode.
 
 Every token of chunk c sits at or after its first token, so the model stays causal: a token's output
@@ -22,15 +22,23 @@ disagree, reading attention changes the output.
 
 Tensor parallelism: f is split with its heads, so a megatron front end makes W1 row-parallel
 (layers/router.py).
+
+The routing pass is written here once, for both front ends (``route``, ``route_step``, ``advance_routing``,
+``allocate_router_cache``): each hands it its first ``router_layers`` layers, each one a module called as
+``layer(hidden, context, cache)`` with an ``input_layernorm`` and a ``mixer`` (an ``OryxMixer``), its router, and
+the embedded tokens in its own layout.
 """
 
-from typing import Optional
+import dataclasses
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from oryx_megatron.config import MixerConfig
+from oryx_megatron.config import MixerConfig, Mode
+from oryx_megatron.mixer.context import MixerContext, RouterReadouts
+from oryx_megatron.mixer.state import MixerCache
 
 
 # p(attention) from which a chunk reads attention of the router's own accord: the floor of a budget's threshold
@@ -74,3 +82,64 @@ class ChunkRouter(nn.Module):
         it), or None for a router without calibration (a joint router: its price held it to its budget)."""
         threshold = float(self.calibration[round((1 - budget) * 100)])
         return None if threshold != threshold else threshold
+
+
+def route(layers: Sequence[nn.Module], router: nn.Module, hidden: Tensor, chunk_size: int,
+          document_ids: Optional[Tensor] = None, router_cache: Optional[List[MixerCache]] = None) -> Tensor:
+    """The router's logits [b, ceil(s / chunk_size)] that chunk c (starting at c * chunk_size) reads attention, from
+    the reads of each chunk's first token in ``layers`` (the first ``router_layers``) of an all-linear pass over
+    ``hidden`` (the embedded tokens): the first layer's, known before any mode is chosen, and each later one's from
+    the layers below read all-linear. ``router_cache`` (``allocate_router_cache``, empty): the pass is a prefill, its
+    states left there for ``route_step``."""
+    readouts = RouterReadouts(chunk_size)
+    linear = dataclasses.replace(_linear_context(layers, document_ids), readouts=readouts)
+    for i, layer in enumerate(layers):
+        if router_cache is None and i + 1 == len(layers):  # the reads only: the layer's MLP is not needed
+            layer.mixer(layer.input_layernorm(hidden), linear)
+        else:  # the layer's all-linear forward, which leaves its reads in ``readouts`` on the way
+            hidden = layer(hidden, linear, None if router_cache is None else router_cache[i])
+    return router(readouts.stacked())  # [b, n, h, layers, 2, d_v]: split with the heads
+
+
+def route_step(layers: Sequence[nn.Module], router: nn.Module, hidden: Tensor, first_layer_cache: MixerCache,
+               router_cache: Optional[List[MixerCache]] = None) -> Tensor:
+    """``route`` at decode: the logit [b, 1] of the chunk that starts at the new token (``hidden``, embedded), before
+    that token's step: from the first layer's cache of the model's own pass (``first_layer_cache``, left as it
+    was), or, with ``router_cache``, from the all-linear pass's, which the token then advances."""
+    readouts = RouterReadouts(1)
+    linear = dataclasses.replace(_linear_context(layers), readouts=readouts)
+    if router_cache is None:
+        first, snapshot = layers[0], first_layer_cache.snapshot()
+        try:  # the step writes the token's key and value, which its real step rewrites
+            first.mixer.step(first.input_layernorm(hidden), linear, first_layer_cache)
+        finally:
+            first_layer_cache.restore(snapshot)
+    else:  # the all-linear pass's steps, which leave their reads in ``readouts`` on the way
+        for layer, cache in zip(layers, router_cache):
+            hidden = layer(hidden, linear, cache)
+    return router(readouts.stacked())
+
+
+def advance_routing(layers: Sequence[nn.Module], hidden: Tensor, router_cache: List[MixerCache]) -> None:
+    """The all-linear pass of ``router_cache`` over a new token that starts no chunk (``hidden``, embedded)."""
+    linear = _linear_context(layers)
+    for layer, cache in zip(layers, router_cache):
+        hidden = layer(hidden, linear, cache)
+
+
+def allocate_router_cache(layers: Sequence[nn.Module], batch_size: int, dtype: torch.dtype, device=None,
+                          capacity: Optional[int] = None) -> Optional[List[MixerCache]]:
+    """The caches of the all-linear pass a router of more than one layer reads (one per routed layer, ``route`` /
+    ``route_step`` / ``advance_routing`` keep them); None for a router of the first layer, which reads the model's
+    own first-layer cache."""
+    if len(layers) == 1:
+        return None
+    return [layer.mixer.allocate_inference_cache(batch_size, dtype, device, capacity) for layer in layers]
+
+
+def _linear_context(layers: Sequence[nn.Module], document_ids: Optional[Tensor] = None) -> MixerContext:
+    """Every token reading linear; a router reads both mixers (a single-mixer model has no router)."""
+    config = layers[0].mixer.config
+    if not config.is_multi_mixer:
+        raise ValueError(f"a router reads both mixers: mixers={config.mixers!r} has one")
+    return MixerContext.build(config, Mode.LINEAR, document_ids)

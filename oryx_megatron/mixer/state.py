@@ -77,6 +77,23 @@ class MixerCache:
         self.key.index_copy_(1, index, key)
         self.value.index_copy_(1, index, value)
 
+    def initial_conv_state(self, stream: str) -> Optional[Tensor]:
+        """The conv state a prefill of ``stream`` continues from: None before the first token (zero padding)."""
+        return self.conv_states[stream] if self.seqlen > 0 else None
+
+    def absorb(self, conv_states: Dict[str, Tensor], recurrent_state: Optional[Tensor], n_tokens: int,
+               document_ids: Optional[Tensor] = None) -> None:
+        """After ``n_tokens`` new tokens (their keys and values already written): their final conv states (stream ->
+        [b, channels, conv_kernel - 1]) and recurrent state [b, h, d_k, d_v] (None: attention only), copied in
+        place; with ``document_ids`` [b, n_tokens] the current document's start moves to the last one among them."""
+        for name, state in conv_states.items():
+            self.conv_states[name].copy_(state)
+        if recurrent_state is not None:
+            self.recurrent_state.copy_(recurrent_state)
+        if document_ids is not None:
+            self.after_documents(document_ids)
+        self.advance(n_tokens)
+
     def advance(self, n_tokens: int) -> None:
         self.seqlen += n_tokens
         self.position += n_tokens

@@ -7,7 +7,6 @@ every layer receives (the same modes apply to every layer for a token). Pipeline
 layers (``pre_process``/``post_process`` as in megatron's GPTModel).
 """
 
-import dataclasses
 from functools import partial
 from typing import List, Optional
 
@@ -29,11 +28,11 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor
 
-from oryx_megatron.config import Mode
 from oryx_megatron.layers.config import OryxConfig
 from oryx_megatron.layers.router import ParallelChunkRouter
 from oryx_megatron.models.layer_init import layer_init_rng
-from oryx_megatron.mixer import MixerCache, MixerContext, RouterReadouts
+from oryx_megatron.mixer import MixerCache, MixerContext
+from oryx_megatron.mixer import router as routing
 
 
 def _build_layer(layer_spec: ModuleSpec, config: OryxConfig, layer_number: int):
@@ -181,57 +180,27 @@ class OryxModel(LanguageModule):
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
 
+    # ---- the routing pass (mixer/router.py), over this stage's first router_layers layers ----
     def route(self, input_ids: Tensor, chunk_size: int, document_ids: Optional[Tensor] = None,
               router_cache: Optional[List[MixerCache]] = None) -> Tensor:
-        """The router's logits [b, ceil(s / chunk_size)] that chunk c (starting at c * chunk_size) reads
-        attention, from the reads of each chunk's first token in the first ``router_layers`` layers
-        (layers/router.py) of an all-linear pass: the first layer's, known before any mode is chosen, and
-        each later one's from the layers below read all-linear. ``router_cache`` (``allocate_router_cache``,
-        empty): the pass is a prefill, its states left there for ``route_step``."""
-        layers = self._routed_layers()
-        hidden = self.embedding(input_ids, position_ids=None)  # [s, b, hidden]
-        readouts = RouterReadouts(chunk_size)
-        linear = dataclasses.replace(MixerContext.build(self.config, Mode.LINEAR, document_ids), readouts=readouts)
-        for i, layer in enumerate(layers):
-            if router_cache is None and i + 1 == len(layers):  # the reads only: the layer's output is not needed
-                readouts.reads.append(layer.mixer.chunk_readouts(layer.input_layernorm(hidden), chunk_size,
-                                                                 linear.documents))
-            else:  # the layer's all-linear forward, which leaves its reads in ``readouts`` on the way
-                hidden = layer(hidden, linear, None if router_cache is None else router_cache[i])
-        return self.router(readouts.stacked())  # [b, n, h, layers, 2, d_v]: split with the heads
+        """The router's logits [b, ceil(s / chunk_size)] (``mixer.router.route``)."""
+        return routing.route(self._routed_layers(), self.router, self.embedding(input_ids, position_ids=None),
+                             chunk_size, document_ids, router_cache)
 
     def route_step(self, input_ids: Tensor, inference_cache: List[MixerCache],
                    router_cache: Optional[List[MixerCache]] = None) -> Tensor:
-        """``route`` at decode: the logit [b, 1] of the chunk that starts at the new token input_ids [b, 1],
-        before that token's step: from the first layer's cache of the model's own pass (left as it was),
-        or, with ``router_cache``, from the all-linear pass's, which the token then advances."""
-        layers = self._routed_layers()
-        hidden = self.embedding(input_ids, position_ids=None)  # [1, b, hidden]
-        if router_cache is None:
-            readouts = RouterReadouts(1, [layers[0].mixer.step_readouts(layers[0].input_layernorm(hidden),
-                                                                        inference_cache[0])])
-        else:  # the all-linear pass's steps, which leave their reads in ``readouts`` on the way
-            readouts = RouterReadouts(1)
-            linear = dataclasses.replace(MixerContext.build(self.config, Mode.LINEAR), readouts=readouts)
-            for layer, cache in zip(layers, router_cache):
-                hidden = layer(hidden, linear, cache)
-        return self.router(readouts.stacked())
+        """The logit [b, 1] of the chunk that starts at input_ids [b, 1] (``mixer.router.route_step``)."""
+        return routing.route_step(self._routed_layers(), self.router, self.embedding(input_ids, position_ids=None),
+                                  inference_cache[0], router_cache)
 
     def advance_router(self, input_ids: Tensor, router_cache: List[MixerCache]) -> None:
-        """The all-linear pass of ``router_cache`` over a new token that starts no chunk: input_ids [b, 1]."""
-        hidden, linear = self.embedding(input_ids, position_ids=None), MixerContext.build(self.config, Mode.LINEAR)
-        for layer, cache in zip(self._routed_layers(), router_cache):
-            hidden = layer(hidden, linear, cache)
+        """``mixer.router.advance_routing`` over input_ids [b, 1]."""
+        routing.advance_routing(self._routed_layers(), self.embedding(input_ids, position_ids=None), router_cache)
 
     def allocate_router_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                               capacity: Optional[int] = None) -> Optional[List[MixerCache]]:
-        """The caches of the all-linear pass a router of more than one layer reads (one per routed layer,
-        ``route``/``route_step``/``advance_router`` keep them); None for a router of the first layer, which
-        reads the model's own first-layer cache."""
-        layers = self._routed_layers()
-        if len(layers) == 1:
-            return None
-        return [layer.mixer.allocate_inference_cache(batch_size, dtype, device, capacity) for layer in layers]
+        """``mixer.router.allocate_router_cache`` of this model's routed layers."""
+        return routing.allocate_router_cache(self._routed_layers(), batch_size, dtype, device, capacity)
 
     def _routed_layers(self):
         if self.router is None:

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from oryx_megatron import RECIPES_DIR
 from oryx_megatron.config import ModelArgs
+from oryx_megatron.mixer import OryxMixer
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 
@@ -41,6 +42,24 @@ def load_model_args(overrides: List[str]) -> ModelArgs:
     return OmegaConf.to_object(OmegaConf.merge(schema, cfg.model))
 
 
+def mixer_parameter_counts(mixer: OryxMixer) -> Dict[str, int]:
+    """An Oryx mixer's parameters (this rank's) by use: 'shared' by every mixer, or specific to one mode: the
+    input-projection rows (and conv) of a stream only that mode reads, and for linear mode the linear mixer's own
+    parameters."""
+    total = sum(p.numel() for p in mixer.parameters())
+    if not mixer.config.is_multi_mixer:
+        return {"shared": total, "attention": 0, "linear": 0}
+    layout = mixer.layout
+    attention, linear = {layout.attention_query}, set(layout.linear_streams)
+    specific = {"attention": 0, "linear": sum(p.numel() for p in mixer.linear_mixer.parameters())}
+    for mode, only in (("attention", attention - linear), ("linear", linear - attention)):
+        for name in only:
+            specific[mode] += mixer.num_heads * layout.streams[name] * mixer.config.hidden_size
+            if name in layout.conv_streams:
+                specific[mode] += getattr(mixer, f"conv_{name}").weight.numel()
+    return {"shared": total - sum(specific.values()), **specific}
+
+
 def count_parameters(model: torch.nn.Module) -> Dict[str, int]:
     """Parameters per component, and per mode for the mixers ('mixer_shared',
     'mixer_attention', 'mixer_linear')."""
@@ -51,8 +70,8 @@ def count_parameters(model: torch.nn.Module) -> Dict[str, int]:
         )
         counts[component] += param.numel()
     for module in model.modules():
-        if hasattr(module, "parameter_counts"):
-            for use, n in module.parameter_counts().items():
+        if isinstance(module, OryxMixer):
+            for use, n in mixer_parameter_counts(module).items():
                 counts[f"mixer_{use}"] += n
     if "mixer_shared" not in counts:  # Transformer baseline: one mixer, all of it used
         counts["mixer_shared"] = counts["mixer"]

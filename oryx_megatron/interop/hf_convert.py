@@ -1,4 +1,4 @@
-"""Megatron models <-> Hugging Face configs and weights (in memory; ``export`` and ``importing`` do the files).
+"""Megatron models <-> Hugging Face configs and weights (in memory; ``hf_export`` and ``hf_import`` do the files).
 
 - Oryx families (``oryx_tg``, ``oryx_tm``) and the single-mixer baselines (``gdn``, ``mamba2``) become an
   ``OryxHFConfig`` and ``OryxForCausalLM`` weights; the Transformer baseline becomes a stock

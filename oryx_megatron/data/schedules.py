@@ -1,4 +1,5 @@
-"""Inference mode schedules: the mode of every position of a prompt and its continuation.
+"""Inference mode schedules: the mode of every position of a prompt and its continuation (in the data layer, beside
+``data.modes``, so that both front ends read them: the megatron model's generation and the Hugging Face model).
 
 For one sequence a schedule's ``position_modes(prompt_len, total_len)`` gives int8 modes
 [total_len] for the positions fed to the model: the prompt [0, prompt_len), then the generated
