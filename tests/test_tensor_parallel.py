@@ -75,6 +75,7 @@ def mixer_step(module, sequence_parallel, document_ids=None):
     x = x.clone().requires_grad_()
     out, _ = module(x, MixerContext.build(module.config, modes, document_ids))
     out.backward(dy)
+    reduce_sequence_parallel_grads(module, sequence_parallel)
     return out.detach(), x.grad
 
 
@@ -83,11 +84,18 @@ def model_step(module, sequence_parallel, document_ids=None):
     _, _, modes, ids = inputs()
     loss = module(ids[:, :-1], modes, labels=ids[:, 1:], document_ids=document_ids)
     loss.sum().backward()
-    if sequence_parallel:  # what megatron's finalize_model_grads does for replicated norms
-        for p in module.parameters():
-            if getattr(p, "sequence_parallel", False):
-                dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
+    reduce_sequence_parallel_grads(module, sequence_parallel)
     return loss.detach(), None
+
+
+def reduce_sequence_parallel_grads(module, sequence_parallel):
+    """What megatron's finalize_model_grads does under sequence parallelism for weights replicated over TP (the
+    norms, a linear mixer's cross-head projection): each rank's gradient is of its tokens, summed over TP."""
+    if not sequence_parallel:
+        return
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
 
 
 def build(level, family, seed, recipe, **parallel):

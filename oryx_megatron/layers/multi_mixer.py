@@ -24,6 +24,7 @@ from megatron.core.transformer.utils import (
 )
 
 from oryx_megatron.layers.config import OryxConfig
+from oryx_megatron.layers.hidden_projection import HiddenProjection
 from oryx_megatron.mixer import ContextParallel, HeadModule, HeadShard, MixerLayout, OryxMixer
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class MultiMixerSubmodules:
     in_proj: Union[ModuleSpec, type]  # column-parallel fused input projection
     core_attention: Union[ModuleSpec, type]  # q, k, v -> o (bottom-right causal)
     out_proj: Union[ModuleSpec, type]  # row-parallel W_O
+    hidden_proj: Union[ModuleSpec, type] = HiddenProjection  # the linear mixer's cross-head features, if it has any
 
 
 class MultiMixer(OryxMixer):
@@ -54,10 +56,15 @@ class MultiMixer(OryxMixer):
                                 input_is_parallel=True, skip_bias_add=True, is_expert=False,
                                 tp_comm_buffer_name="proj", tp_group=tp_group)
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        hidden_proj = None
+        if layout.hidden_features:  # the linear mixer's cross-head features, replicated over TP
+            hidden_proj = build_module(submodules.hidden_proj, config, sum(layout.hidden_features.values()), tp_group,
+                                       device)
         cp = ContextParallel(parallel_state.get_context_parallel_group())  # the mixing splits heads, not tokens
         shard = HeadShard(tp_group.size(), tp_group.rank(), config.params_dtype, device, config.perform_initialization,
                           cp)
-        super().__init__(config, shard, in_proj, out_proj, core_attention, sequence_first=True)
+        super().__init__(config, shard, in_proj, out_proj, core_attention, sequence_first=True,
+                         hidden_proj=hidden_proj)
         self.layer_number, self.tp_group = layer_number, tp_group
         self.recompute = config.recompute_granularity == "selective"
         for module in self._head_modules().values():

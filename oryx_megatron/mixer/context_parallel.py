@@ -51,7 +51,14 @@ class ContextParallel:
         """[b, n, h / cp, ...] of this rank's heads -> [b, n, h, ...]: every rank's, gathered (differentiable)."""
         if self.size == 1:
             return x
-        return _GatherHeads.apply(x.contiguous(), self.group)
+        return _Gather.apply(x.contiguous(), self.group, 2)
+
+    def all_tokens(self, x: Tensor) -> Tensor:
+        """[b, s / cp, ...] of this rank's tokens -> [b, s, ...]: every rank's, in sequence order (differentiable;
+        features of the hidden state that every head reads)."""
+        if self.size == 1:
+            return x
+        return self._in_order(_Gather.apply(x.contiguous(), self.group, 1))
 
     def _all_to_all(self, x: Tensor) -> Tensor:
         """Part i of dim 0 to rank i, part j of the result from rank j (differentiable)."""
@@ -90,19 +97,19 @@ def _exchange(x: Tensor, group) -> Tensor:
     return out
 
 
-class _GatherHeads(torch.autograd.Function):
-    """Every rank's [b, n, h / cp, ...] concatenated along dim 2; the gradient of this rank's part sums every
-    rank's gradient of it (each rank's loss reads all the heads)."""
+class _Gather(torch.autograd.Function):
+    """Every rank's part concatenated along ``dim``; the gradient of this rank's part sums every rank's gradient
+    of it (each rank's loss reads all the parts)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
+    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
         parts = [torch.empty_like(x) for _ in range(group.size())]
         dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=2)
+        return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.group.size(), dim=2)[ctx.group.rank()], None
+        return grad.chunk(ctx.group.size(), dim=ctx.dim)[ctx.group.rank()], None, None

@@ -1,5 +1,6 @@
 """The layout of the Oryx mixer's fused input projection: which streams it holds per head, in which order,
-and which of them get a short conv. The mixer core, both front ends and the weight conversions read it."""
+and which of them get a short conv; and the projections of the hidden state that every head reads (a linear
+mixer's cross-head features). The mixer core, both front ends and the weight conversions read it."""
 
 import dataclasses
 from typing import Dict, Optional, Tuple
@@ -14,12 +15,15 @@ class MixerLayout:
     g, [k_gate, v_gate], [q_attn], then the linear mixer's streams), so a column-parallel split hands each
     rank whole heads; ``conv_streams``: the streams with a short conv (parameters ``conv_<stream>``);
     ``attention_query``: the stream attention reads with (None without attention); ``linear_streams``: the
-    linear mixer's own streams."""
+    linear mixer's own streams; ``hidden_features``: feature -> width of the linear mixer's projections of the
+    hidden state that every head reads (``LinearMixer.hidden_projections``: one fused ``hidden_proj``, replicated
+    over tensor-parallel ranks; none by default)."""
 
     streams: Dict[str, int]
     conv_streams: Tuple[str, ...]
     attention_query: Optional[str]
     linear_streams: Tuple[str, ...]
+    hidden_features: Dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, config: MixerConfig) -> "MixerLayout":
@@ -38,7 +42,8 @@ class MixerLayout:
         if "q_attn" in streams and config.attention_query_conv:
             conv.append("q_attn")
         query = None if not config.has_attention else ("q_lin" if config.shared_query else "q_attn")
-        return cls(streams, tuple(conv), query, tuple(linear_streams))
+        hidden_features = {} if linear is None else linear.hidden_projections(config)
+        return cls(streams, tuple(conv), query, tuple(linear_streams), hidden_features)
 
     @property
     def width(self) -> int:

@@ -57,11 +57,13 @@ class OryxMixer(HeadModule):
     """Hidden states [b, s, hidden] in and out ([s, b, hidden] with ``sequence_first``), through ``in_proj`` and
     ``out_proj``: plain ``nn.Linear`` unless a front end passes its own (a projection may return (output, bias), as
     megatron's linears do: the input projection has no bias, and what ``out_proj`` returns is the mixer's output);
-    ``core_attention``: the attention slot (default ``SDPAttention``)."""
+    ``core_attention``: the attention slot (default ``SDPAttention``); ``hidden_proj``: the projection of the hidden
+    state to the linear mixer's cross-head features (``MixerLayout.hidden_features``; none unless it declares
+    some), every feature of every token on every rank, in the front end's layout."""
 
     def __init__(self, config: MixerConfig, shard: HeadShard = HeadShard(), in_proj: Optional[nn.Module] = None,
                  out_proj: Optional[nn.Module] = None, core_attention: Optional[nn.Module] = None,
-                 sequence_first: bool = False):
+                 sequence_first: bool = False, hidden_proj: Optional[nn.Module] = None):
         super().__init__(config, shard)
         self.sequence_first = sequence_first
         self.layout = MixerLayout.of(config)
@@ -71,6 +73,10 @@ class OryxMixer(HeadModule):
         if in_proj is None:
             in_proj = nn.Linear(config.hidden_size, heads * self.layout.width, bias=False, **make)
         self.in_proj = in_proj
+        if self.layout.hidden_features:
+            features = sum(self.layout.hidden_features.values())
+            self.hidden_proj = nn.Linear(config.hidden_size, features, bias=False, **make) if hidden_proj is None \
+                else hidden_proj
         if self.layout.attention_query is not None:
             self.core_attention = SDPAttention(config) if core_attention is None else core_attention
         self.out_proj = nn.Linear(heads * self.d_v, config.hidden_size, bias=False, **make) if out_proj is None \
@@ -93,6 +99,7 @@ class OryxMixer(HeadModule):
         if cache is not None and cache.seqlen > 0 and self._tokens(hidden) == 1:
             return self.step(hidden, context, cache)
         x = self._streams(cp.to_heads(self._projection(hidden)))  # stream -> [b, s, h (/ cp), width]
+        x.update(self._hidden_features(hidden))  # feature -> [b, s, width]: every token
         if self.recompute and self.training and cache is None and context.readouts is None:
             y = checkpoint(self._mix, x, context, None, use_reentrant=False)
         else:
@@ -150,7 +157,8 @@ class OryxMixer(HeadModule):
         ``decode=True`` (or one Mode). With ``context.readouts`` both mixers read and their reads are appended
         there, [b, 1, h, 2, d_v]. Positions come from the cache's ``position`` tensor and every state is written
         in place: no host synchronisation, so the step can be captured in a CUDA graph."""
-        x = {name: t.squeeze(1) for name, t in self._streams(self._projection(hidden)).items()}  # [b, h, width]
+        x = {**self._streams(self._projection(hidden)), **self._hidden_features(hidden)}
+        x = {name: t.squeeze(1) for name, t in x.items()}  # [b, h, width]; cross-head features [b, width]
         conv_states = {}
         for name in self.layout.conv_streams:
             b, h, d = x[name].shape
@@ -238,6 +246,15 @@ class OryxMixer(HeadModule):
     def _streams(self, proj: Tensor) -> Dict[str, Tensor]:
         """[b, s, h, width of every stream] -> stream -> [b, s, h, width] (``MixerLayout``)."""
         return dict(zip(self.layout.streams, proj.split(list(self.layout.streams.values()), dim=-1)))
+
+    def _hidden_features(self, hidden: Tensor) -> Dict[str, Tensor]:
+        """The linear mixer's cross-head features of the hidden state: feature -> [b, s, width], every token of the
+        sequence (gathered over context-parallel ranks); none unless it declares some."""
+        if not self.layout.hidden_features:
+            return {}
+        y = self.hidden_proj(hidden)
+        y = self.shard.cp.all_tokens(y.transpose(0, 1) if self.sequence_first else y)
+        return dict(zip(self.layout.hidden_features, y.split(list(self.layout.hidden_features.values()), dim=-1)))
 
     def _output(self, y: Tensor):
         """Shared W_O: [b, s, h, d_v] -> [b, s, hidden] ([s, b, hidden]), as ``out_proj`` returns it."""

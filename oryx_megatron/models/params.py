@@ -51,7 +51,8 @@ def mixer_parameter_counts(mixer: OryxMixer) -> Dict[str, int]:
         return {"shared": total, "attention": 0, "linear": 0}
     layout = mixer.layout
     attention, linear = {layout.attention_query}, set(layout.linear_streams)
-    specific = {"attention": 0, "linear": sum(p.numel() for p in mixer.linear_mixer.parameters())}
+    own = [mixer.linear_mixer] + ([mixer.hidden_proj] if layout.hidden_features else [])  # its cross-head features
+    specific = {"attention": 0, "linear": sum(p.numel() for module in own for p in module.parameters())}
     for mode, only in (("attention", attention - linear), ("linear", linear - attention)):
         for name in only:
             specific[mode] += mixer.num_heads * layout.streams[name] * mixer.config.hidden_size

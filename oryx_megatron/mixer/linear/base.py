@@ -30,6 +30,14 @@ class LinearMixer(HeadModule, ABC):
 
     conv_streams: Tuple[str, ...] = ("q_lin",)  # its streams that get a short conv, as k and v do
 
+    @staticmethod
+    def hidden_projections(config: MixerConfig) -> Dict[str, int]:
+        """Its features of the hidden state that every head reads, name -> width (e.g. a low-rank gate's first
+        stage, hidden -> 16, as fla's GLA): the front ends build one projection for them (``hidden_proj``, the
+        same on every tensor-parallel rank) and hand them in ``x`` as [.., width], not split by heads; its
+        per-head second stage is its own head parameter. None by default."""
+        return {}
+
     def __init__(self, config: MixerConfig, shard: HeadShard, kernels: Kernels):
         super().__init__(config, shard)
         self.kernels = kernels
