@@ -62,7 +62,7 @@ demo: venv data/stdlib/manifest.json
 data/stdlib/manifest.json: | venv
 	$(VENV)/bin/oryx-prep tokenize --stdlib --out data/stdlib --vocab-size 4096 --shard-size 4M --workers 2
 
-# The paper-claim experiments of docs/results.md (oryx_megatron/recipes/experiment/), in dependency order
+# The paper-claim experiments of docs/results.md (recipes/experiment/), in dependency order
 # (E3 evaluates E1's runs; NIAH and the ablations E2's). Outputs in runs/experiments/<name>/.
 # `experiments`: the sizes a 2-core CPU runs in ~3 h; `experiments-large`: the issue's E1
 # sizes (4 layers, 256 tokens; ~16 h on 2 CPU cores: a GPU's job).

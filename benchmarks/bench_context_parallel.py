@@ -198,7 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--seq", nargs="+", type=int, default=[256, 512, 1024])
-    parser.add_argument("--size", default="tiny_{family}", help="recipe of oryx_megatron/recipes/model/")
+    parser.add_argument("--size", default="tiny_{family}", help="recipe of recipes/model/")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     device_default = "cuda" if torch.cuda.is_available() else "cpu"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=device_default)
-    parser.add_argument("--model", help="a recipe under oryx_megatron/recipes/model "
+    parser.add_argument("--model", help="a recipe under recipes/model "
                                         "(default: tiny_oryx_tg on CPU, oryx_tg_130m on CUDA)")
     parser.add_argument("--checkpoint", help="a trained model (oryx-train checkpoint) instead of random weights: "
                                              "speculative acceptance then means something")

@@ -50,7 +50,7 @@ from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.models.params import load_model_args
 from oryx_megatron.parallel import current_device, destroy_parallel, initialize_parallel
 
-MODEL_SIZES = {"tiny": "tiny_{family}", "130m": "{family}_130m", "1_4b": "{family}_1_4b"}  # oryx_megatron/recipes/model/
+MODEL_SIZES = {"tiny": "tiny_{family}", "130m": "{family}_130m", "1_4b": "{family}_1_4b"}  # recipes/model/
 RECOMPUTE = {  # --recompute -> TransformerConfig fields
     "none": {},
     "selective": dict(recompute_granularity="selective"),  # megatron's default modules: core_attn

@@ -1,4 +1,4 @@
-"""The structured schema of ``oryx-train``'s config (oryx_megatron/recipes/train.yaml and its groups).
+"""The structured schema of ``oryx-train``'s config (recipes/train.yaml and its groups).
 
 Hydra composes the YAML onto this schema (``train_schema``), and ``load_train_config``
 checks the values, so a misspelled key, a wrong type or a bad value fails before any
@@ -12,7 +12,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from oryx_megatron.config import MixerConfigError, ModelArgs
+from oryx_megatron.config import MixerConfigError, ModelArgs, RouterConfig, RouterConfigError
+from oryx_megatron.config.router import UNSET, check_router, move_aliases
 from oryx_megatron.data.tasks.mqar import MQARConfig
 from oryx_megatron.mixer import linear_mixer_class
 
@@ -107,25 +108,6 @@ class LoggingConfig:
 
 
 @dataclass
-class RouterConfig:
-    """The chunk router's training (docs/routing.md): ``router=posthoc`` fits the router of a trained,
-    frozen model (training/router.py); ``router=joint`` trains it with the model, the router choosing
-    each chunk's mode (straight-through, a budget term; train.py); ``none``: ordinary pretraining."""
-
-    mode: str = "none"  # "none" | "posthoc" | "joint"
-    init_from: Optional[str] = None  # the trained model (a checkpoint or a run's checkpoint.dir); joint: optional
-    objective: str = "classification"  # "classification" (targets at benefit_threshold) | "regression"
-    benefit_threshold: float = 0.0  # nats: a chunk's target is attention where reading it lowers its mean loss more
-    temperature: float = 0.1  # regression: the router's logit is fitted to (benefit - benefit_threshold) / temperature
-    calibration_batches: int = 8  # held-out batches whose chunks calibrate the budget thresholds
-    budget: float = 0.1  # joint: the fraction of tokens to read attention; its price adapts to hold it
-    price_lr: float = 0.1  # joint: step of the budget's price (dual ascent on the share of p >= 0.5 - budget)
-    # joint: the router's gradient: "straight_through" (the LM loss's derivative in the read's weight) or
-    # "score_function" (REINFORCE: log P(drawn mode) x each token's loss and price, less the batch's mean there)
-    estimator: str = "straight_through"
-
-
-@dataclass
 class TrainConfig:
     model: ModelArgs
     data: DataConfig = field(default_factory=DataConfig)
@@ -134,11 +116,13 @@ class TrainConfig:
     train: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)  # the chunk router and its training (config/router.py)
 
 
-# oryx_megatron/recipes/train.yaml lists this schema first in its defaults: every composed key is typed.
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+# recipes/train.yaml lists this schema first in its defaults: every composed key is typed. The router's architecture
+# keys with a default are left unset there (null), so that an alias given beside one is told apart from its default.
+TRAIN_SCHEMA = OmegaConf.merge(OmegaConf.structured(TrainConfig), {"router": dict.fromkeys(UNSET)})
+ConfigStore.instance().store(name="train_schema", node=TRAIN_SCHEMA)
 
 CHOICES = {
     "data.format": ("shards", "indexed", "mqar"),
@@ -155,18 +139,22 @@ class ConfigError(ValueError):
 
 
 def load_train_config(cfg: DictConfig) -> TrainConfig:
-    """Validate a composed config against the schema (keys, types, values)."""
+    """Validate a composed config against the schema (keys, types, values); the router's aliases
+    (``model.router_hidden``, ...) are read as their keys (``router.hidden``, ...)."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
     try:
         # merged as a plain container: keys that Hydra let in with "+key=" are rejected here
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg))
-        run: TrainConfig = OmegaConf.to_object(merged)
+        tree = move_aliases(OmegaConf.to_container(cfg))
+        run: TrainConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), tree))
         linear_mixer_class(run.model)  # a registered linear mixer
+        check_router(run.router, run.model, run.model.num_layers)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key {key!r}: {e.msg if hasattr(e, 'msg') else e}") from None
     except MixerConfigError as e:
         raise ConfigError(f"config key 'model.{e.field}': {e}") from None
+    except RouterConfigError as e:
+        raise ConfigError(f"config key '{e.key}': {e}") from None
     _check_values(run)
     return run
 
@@ -253,8 +241,8 @@ def _check_router(run: TrainConfig) -> None:
     r = run.router
     if r.mode == "none":
         return
-    if run.model.router_hidden is None:
-        raise ConfigError(f"config key 'model.router_hidden': router.mode={r.mode} needs a router width (e.g. 64)")
+    if r.hidden is None:
+        raise ConfigError(f"config key 'router.hidden': router.mode={r.mode} needs a router width (e.g. 64)")
     if r.mode == "joint":
         if run.parallel.pipeline_model_parallel_size != 1:
             raise ConfigError("config key 'router.mode': joint routing needs pipeline_model_parallel_size=1 (the "

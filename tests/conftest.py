@@ -7,6 +7,8 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 
 import pytest  # noqa: E402
 
+import tests.mixers  # noqa: E402, F401  (registers the tests' linear mixers and their ops before collection)
+
 
 @pytest.fixture(scope="session")
 def single_process_parallel():
@@ -35,9 +37,9 @@ def corpus(tmp_path_factory):
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from oryx_megatron.data.prep.inputs import InputOptions, stdlib_files
-    from oryx_megatron.data.prep.pipeline import tokenize_corpus
-    from oryx_megatron.data.prep.tokenizer import ByteTokenizer
+    from oryx_megatron.data_prep.inputs import InputOptions, stdlib_files
+    from oryx_megatron.data_prep.pipeline import tokenize_corpus
+    from oryx_megatron.data_prep.tokenizer import ByteTokenizer
 
     root = tmp_path_factory.mktemp("corpus")
     files = stdlib_files()[:60]
@@ -61,9 +63,9 @@ def short_documents(tmp_path_factory):
     SHORT_DOCUMENT_LENGTHS bytes (none starts with a space: none is blank) as 4 token shards (the last one held
     out): packed windows of 64 tokens hold EODs at many positions, which depend on the lengths only, not on the
     interpreter's sources."""
-    from oryx_megatron.data.prep.inputs import InputOptions, stdlib_files
-    from oryx_megatron.data.prep.pipeline import tokenize_corpus
-    from oryx_megatron.data.prep.tokenizer import ByteTokenizer
+    from oryx_megatron.data_prep.inputs import InputOptions, stdlib_files
+    from oryx_megatron.data_prep.pipeline import tokenize_corpus
+    from oryx_megatron.data_prep.tokenizer import ByteTokenizer
     from tests.data.conftest import write_jsonl
 
     root = tmp_path_factory.mktemp("short_documents")

@@ -1,19 +1,59 @@
 """Builders shared by the tests."""
 
 import dataclasses
+from typing import Dict, List
 
+import pytest
 import torch
 
 from oryx_megatron.config import ModelArgs
+from oryx_megatron.config.model import FAMILY_MIXERS
 from oryx_megatron.layers.multi_mixer import MultiMixer
-from oryx_megatron.mixer import MixerContext
+from oryx_megatron.mixer import LINEAR_MIXERS, MixerContext
 from oryx_megatron.models.builder import transformer_config
 from oryx_megatron.models.specs import get_oryx_layer_local_spec
+import tests.mixers  # noqa: F401  (the tests' linear mixers, registered in every process that builds models)
+
+
+def linear_families() -> List[str]:
+    """The recipe of attention with each registered linear mixer (``LINEAR_MIXERS``: the package's and those
+    registered from outside it, tests/mixers), in registration order: the family that fixes those mixers where
+    there is one ('oryx_tg' for gdn, 'oryx_tm' for mamba2), else the mixers themselves ('attention+gla', family
+    'oryx'). What every proof of the mixers runs for (``tiny_args`` and ``build_mixer`` take either)."""
+    by_mixers = {mixers: family for family, mixers in FAMILY_MIXERS.items() if mixers}
+    return [by_mixers.get(f"attention+{name}", f"attention+{name}") for name in LINEAR_MIXERS]
+
+
+def linear_mixer_of(family: str) -> str:
+    """The linear mixer's name of a ``linear_families`` entry: 'oryx_tg' -> 'gdn', 'attention+gla' -> 'gla'."""
+    return FAMILY_MIXERS.get(family, family).split("+")[-1]
+
+
+def from_outside(family: str) -> bool:
+    """Whether the linear mixer of ``family`` (a ``linear_families`` entry) is registered from outside the
+    package (a test's: it runs one case per proof, the package's own every case)."""
+    return not LINEAR_MIXERS[linear_mixer_of(family)].__module__.startswith("oryx_megatron.")
+
+
+def family_cases(*variants, families=None, ids=None) -> list:
+    """pytest parameters (family, variant) for each of ``families`` (default: ``linear_families``): every
+    variant for the package's own mixers, the first (give the most telling first) for a mixer registered from
+    outside it. ``ids``: the variants' names in the test ids (default: their values)."""
+    names = dict(zip(variants, ids or variants))
+    return [pytest.param(family, variant, id=f"{family}-{names[variant]}")
+            for family in (families or linear_families())
+            for variant in (variants[:1] if from_outside(family) else variants)]
+
+
+def recipe_fields(family: str) -> Dict[str, str]:
+    """The ModelArgs fields of a family name, or of mixers ('attention+gla': family 'oryx' with those mixers)."""
+    return {"family": "oryx", "mixers": family} if "+" in family else {"family": family}
 
 
 def tiny_args(family="oryx_tg", **overrides) -> ModelArgs:
+    """A tiny recipe of ``family``: a family name, or the mixers of family 'oryx' ('attention+gla')."""
     fields = dict(
-        family=family, num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16,
+        **recipe_fields(family), num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16,
         ffn_hidden_size=128, vocab_size=97, max_sequence_length=128, linear_chunk_size=8,
         kernel_backend="torch",
     )
@@ -22,7 +62,8 @@ def tiny_args(family="oryx_tg", **overrides) -> ModelArgs:
 
 
 def build_mixer(family="oryx_tg", seed=0, dtype=torch.float64, parallel=None, mixers=None, **overrides) -> MultiMixer:
-    """A MultiMixer of a tiny recipe; `mixers` overrides the family's mixer list (family "oryx": gives it)."""
+    """A MultiMixer of a tiny recipe (``tiny_args``); `mixers` overrides the family's mixer list (family "oryx":
+    gives it)."""
     recipe = tiny_args(family, **overrides, **({"mixers": mixers} if family == "oryx" else {}))
     config = transformer_config(recipe, params_dtype=dtype, **(parallel or {}))
     if mixers is not None:

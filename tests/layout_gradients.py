@@ -52,8 +52,8 @@ def pretrain_saving_first_gradients(run, output_dir: str, grads_dir: str) -> int
     backward (with its DP / CP / TP reductions and the per-token normalisation) and clipping."""
     forward_backward, steps = loop.forward_backward, []
 
-    def recording(run_, model, loaders, forward_only):
-        reports = forward_backward(run_, model, loaders, forward_only)
+    def recording(run_, model, loaders, forward_only, routing=None):
+        reports = forward_backward(run_, model, loaders, forward_only, routing)
         if not forward_only and not steps:
             save_gradients(model, grads_dir)
         steps.extend([] if forward_only else [1])

@@ -1,13 +1,14 @@
 """Packed documents (data.reset_at_eod) through the whole model: a packed sample gives each document
 the logits and gradients it gets alone (fp64, random chunk modes; documents shorter than a mode chunk
 and than a kernel chunk, boundaries inside a chunk and on a chunk edge), and prefill + decode with a
-cache follows the same resets."""
+cache follows the same resets; for attention with every registered linear mixer (``linear_families``), the
+single-mixer baselines and the Transformer."""
 
 import pytest
 import torch
 
 from oryx_megatron.models.builder import build_model, transformer_config
-from tests.helpers import tiny_args
+from tests.helpers import linear_families, tiny_args
 from tests.ops.test_ops_documents import LENGTHS, S, document_ids, spans
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel")
@@ -31,7 +32,7 @@ def sample(args, seed=0):
 
 
 @pytest.mark.parametrize("family,tolerance", [
-    ("oryx_tg", 1e-10), ("oryx_tm", 1e-10), ("gdn", 1e-10), ("mamba2", 1e-10),
+    *((family, 1e-10) for family in (*linear_families(), "gdn", "mamba2")),
     ("transformer", 1e-8),  # megatron's rotary angles are fp32: a document moved to position 0 rounds anew
 ])
 def test_a_packed_sample_equals_each_document_alone(family, tolerance):
@@ -52,7 +53,7 @@ def test_a_packed_sample_equals_each_document_alone(family, tolerance):
     assert (without - packed).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm", "transformer"])
+@pytest.mark.parametrize("family", [*linear_families(), "transformer"])
 def test_prefill_and_decode_reset_at_document_starts(family):
     """A cache prefilled with packed documents, then stepped with ``start_documents`` where the next
     token begins a document, gives the logits of the parallel forward over the packed sample."""
@@ -72,7 +73,7 @@ def test_prefill_and_decode_reset_at_document_starts(family):
     assert (torch.cat(got, dim=1) - want).abs().max() < 1e-9
 
 
-@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm", "transformer"])
+@pytest.mark.parametrize("family", [*linear_families(), "transformer"])
 def test_a_prefill_continuing_a_cache_reads_within_documents(family):
     model, args = tiny(family)
     model.eval()
@@ -111,7 +112,7 @@ def test_generation_after_an_eod_in_the_prompt_reads_only_the_new_document(famil
     assert (run([with_eod]).logits[0] - want.logits[0]).abs().max() > 1e-6  # without the reset: other logits
 
 
-@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
+@pytest.mark.parametrize("family", linear_families())
 def test_a_chunked_prefill_generates_what_one_prefill_does(family):
     """generate(prefill_chunk=N): the prompt through the caches N tokens at a time, an EOD ending one chunk
     (position 7, chunk 4: the next document starts a chunk) or inside one (position 17): the same logits."""

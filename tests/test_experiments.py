@@ -1,4 +1,4 @@
-"""oryx-experiment: every experiment of oryx_megatron/recipes/experiment/ end to end in its smoke configuration
+"""oryx-experiment: every experiment of recipes/experiment/ end to end in its smoke configuration
 (tables and plots with the documented columns, runs shared between experiments), the learning-rate
 sweep (selection on the validation split only), and its errors."""
 
@@ -225,7 +225,7 @@ def test_validation_and_test_sets_differ_from_training():
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["e9_nothing"], r"unknown experiment 'e9_nothing'; oryx_megatron/recipes/experiment/ has a1_shared_query, .*e3_mode_switch"),
+        (["e9_nothing"], r"unknown experiment 'e9_nothing'; recipes/experiment/ has a1_shared_query, .*e3_mode_switch"),
         (["e2_lm", "train.train_iters"], r"override 'train.train_iters' is not key=value"),
     ],
 )

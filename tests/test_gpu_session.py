@@ -16,6 +16,7 @@ import pytest
 from oryx_megatron.checks import provenance
 from oryx_megatron.checks.session import driver, outputs, plan, probes, runner
 from oryx_megatron.checks.session.runner import run_stage
+from oryx_megatron.ops import OPS
 from oryx_megatron.ops import probe as probing
 
 STAGES = ["parity", "training", "train_step", "inference", "training_rest", "train_reset", "train_1_4b"]
@@ -68,8 +69,8 @@ def test_a_kernel_whose_probe_segfaults_is_refused_once_and_every_later_stage_wr
         assert v["forward"] is None and v["backward"] is None and v["exit"] == 0, op
         forward, backward = v["errors"]["forward"], v["errors"]["backward"]
         gradients = set(backward) - set(forward)
-        assert set(forward) == set(probing.OUTPUT_NAMES[op]) and set(forward) <= set(backward), op
-        assert all(name.startswith("d") for name in gradients) and bool(gradients) == (op in probing.SEQUENCE_OPS), op
+        assert set(forward) == set(OPS[op].outputs) and set(forward) <= set(backward), op
+        assert all(name.startswith("d") for name in gradients) and bool(gradients) == OPS[op].backward, op
         assert probing.verdict(op, backward) is None and max(backward.values()) > 0, op  # measured, within tolerance
     verdicts = json.loads((work / "kernel_probes.json").read_text())["verdicts"]
     recorded = ("forward", "backward", "tolerance", "errors")

@@ -1,6 +1,7 @@
 """The Hugging Face model (oryx_megatron.hf) against the megatron model it is converted from, in memory: the
 same logits under every mode schedule (parallel forward and cached decoding), document resets, the
-Transformer as a stock Llama, and the weight layout both ways (docs/hf.md)."""
+Transformer as a stock Llama, and the weight layout both ways (docs/hf.md); for attention with every registered
+linear mixer (``linear_families``: the tests' GLA under one schedule) and the single-mixer baselines."""
 
 
 import pytest
@@ -21,29 +22,36 @@ from oryx_megatron.interop.hf_convert import (  # noqa: E402
     hf_to_megatron,
     megatron_to_hf,
     model_args,
+    router_args,
 )
 from oryx_megatron.hf.layout import LayoutError  # noqa: E402
 from oryx_megatron.inference import as_inference_schedule, generate  # noqa: E402
 from oryx_megatron.inference.forward import cached_logits  # noqa: E402
+from oryx_megatron.config.model import FAMILY_MIXERS  # noqa: E402
 from oryx_megatron.models.builder import build_model, transformer_config  # noqa: E402
+from tests.helpers import family_cases, linear_families, recipe_fields  # noqa: E402
 
 EOD = 256
 # Each family with the options that change the layout (gates, query conv, a shared query, d_v != d_k).
-FAMILIES = {
+OPTIONS = {
     "oryx_tg": dict(kv_gate="sigmoid", attention_query_conv=True),
     "oryx_tm": dict(shared_query=True, value_head_dim=48),
     "gdn": dict(value_head_dim=48),
     "mamba2": dict(kv_gate="silu"),
 }
+FAMILIES = [*linear_families(), "gdn", "mamba2"]
 SCHEDULES = ("all_attention", "all_linear", "random_chunks chunk_size=16 p_attention=0.5",
              "prefill=linear decode=attention")
 PROMPT, LENGTH = 150, 166  # a prompt over one 128-position query block, then 16 decode steps
 
 
 def tiny_args(family: str, **overrides) -> ModelArgs:
-    """The family's tiny recipe (oryx_megatron/recipes/model/tiny_<family>.yaml) with the options of FAMILIES."""
-    recipe = OmegaConf.to_container(OmegaConf.load(RECIPES_DIR / "model" / f"tiny_{family}.yaml"))
-    return ModelArgs(**{**recipe, "linear_chunk_size": 16, **FAMILIES.get(family, {}), **overrides})
+    """The family's tiny recipe (recipes/model/tiny_<family>.yaml; for mixers of family 'oryx',
+    'attention+gla', Oryx-TG's with those mixers) with the options of OPTIONS."""
+    name = family if family in FAMILY_MIXERS else "oryx_tg"
+    recipe = OmegaConf.to_container(OmegaConf.load(RECIPES_DIR / "model" / f"tiny_{name}.yaml"))
+    return ModelArgs(**{**recipe, **recipe_fields(family), "linear_chunk_size": 16, **OPTIONS.get(family, {}),
+                        **overrides})
 
 
 def megatron_model(args: ModelArgs, dtype=torch.float32):
@@ -89,8 +97,7 @@ def cached_run(step, ids, modes):
     return torch.cat(logits, dim=1)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,schedule", family_cases(SCHEDULES[2], *SCHEDULES[:2], SCHEDULES[3], families=FAMILIES))
 def test_logits_equal_megatrons_under_every_schedule(models, family, schedule):
     megatron, hf = models[family]
     torch.manual_seed(1)
@@ -138,7 +145,7 @@ def test_linear_only_cache_refuses_attention(models):
             hf(ids[:, :1], modes="attention", past_key_values=cache)
 
 
-@pytest.mark.parametrize("family", ["oryx_tg", "oryx_tm"])
+@pytest.mark.parametrize("family", linear_families())
 def test_packed_documents_reset_at_eod(models, family):
     """A model trained with data.reset_at_eod: the HF model finds the documents from the EOD token (megatron is
     given them), in the parallel forward and in generation after EODs in the prompt (``generate``'s reset_at_eod)."""
@@ -207,7 +214,7 @@ def test_the_chunk_router_travels_with_the_weights(single_process_parallel, tmp_
     back = hf_to_megatron(loaded.state_dict(), loaded.config)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
-    assert model_args(loaded.config).router_hidden == 8
+    assert router_args(loaded.config) == {"hidden": 8, "chunk_size": 4, "layers": 1}  # the run's router, read back
 
 
 def test_transformer_exports_to_stock_llama(single_process_parallel, tmp_path):

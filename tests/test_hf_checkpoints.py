@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from oryx_megatron.checkpoint import load_common  # noqa: E402
 from oryx_megatron.cli import evaluate, export_hf, import_hf  # noqa: E402
-from oryx_megatron.data.prep.tokenizer import ByteTokenizer  # noqa: E402
+from oryx_megatron.data_prep.tokenizer import ByteTokenizer  # noqa: E402
 from oryx_megatron.inference import generate  # noqa: E402
 from oryx_megatron.inference.checkpoint import load_model  # noqa: E402
 from oryx_megatron.interop.hf_export import heldout_losses  # noqa: E402

@@ -10,7 +10,7 @@ from oryx_megatron.mixer import context as mixer_context
 from oryx_megatron.mixer import state as mixer_state
 from oryx_megatron.models.params import mixer_parameter_counts
 from oryx_megatron.ops import causal_attention
-from tests.helpers import build_mixer, mix
+from tests.helpers import build_mixer, from_outside, mix
 from tests.test_multi_mixer import (
     FAMILIES,
     HIDDEN,
@@ -189,6 +189,8 @@ def test_selective_recompute_same_gradients_less_saved(family):
     assert torch.equal(base[0], recomputed[0]) and torch.equal(base[1], recomputed[1])
     for name in base[2]:
         assert torch.equal(base[2][name], recomputed[2][name]), name
+    if from_outside(family):  # the memory it saves depends on what its own ops keep: the package's mixers' claim
+        return
     # the checkpointed mixing keeps its input alive outside the hooks: the projected streams
     kept_streams = x.shape[0] * B * mixer.num_heads * mixer.layout.width * x.element_size()
     assert saved["selective"] + kept_streams < 0.5 * saved[None]

@@ -1,16 +1,17 @@
-"""THE invariant: the parallel forward equals step-by-step decode for any mode pattern (fp64)."""
+"""THE invariant: the parallel forward equals step-by-step decode for any mode pattern (fp64), for attention with
+every registered linear mixer (tests/helpers.py ``linear_families``: the package's, and the tests' GLA)."""
 
 import pytest
 import torch
 
 from oryx_megatron.config import Mode
 from oryx_megatron.models.params import mixer_parameter_counts
-from tests.helpers import build_mixer, mix
+from tests.helpers import build_mixer, family_cases, linear_families, linear_mixer_of, mix
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel")
 
 B, S, HIDDEN = 2, 29, 64  # S is not a multiple of the kernel chunk (8)
-FAMILIES = ["oryx_tg", "oryx_tm"]
+FAMILIES = linear_families()
 
 
 def random_modes(seed, chunk=None):
@@ -42,8 +43,7 @@ def run_decode(mixer, x, modes, prefill=0):
     return torch.cat(outs, dim=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("chunk", [None, 4, 16], ids=["per-token", "chunk4", "chunk16"])
+@pytest.mark.parametrize("family,chunk", family_cases(None, 4, 16, ids=["per-token", "chunk4", "chunk16"]))
 def test_parallel_forward_equals_step_by_step_decode(family, chunk):
     mixer = build_mixer(family)
     x, modes = hidden_states(), random_modes(1, chunk)
@@ -51,8 +51,7 @@ def test_parallel_forward_equals_step_by_step_decode(family, chunk):
     assert (run_decode(mixer, x, modes) - ref).abs().max() < 1e-9
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("prefill", [1, 8, 13, 28])
+@pytest.mark.parametrize("family,prefill", family_cases(13, 1, 8, 28))
 def test_prefill_then_decode_equals_parallel(family, prefill):
     mixer = build_mixer(family)
     x, modes = hidden_states(2), random_modes(3, chunk=4)
@@ -104,7 +103,8 @@ def copy_weights(src, dst, same_as=None):
 
 @pytest.mark.parametrize(
     "family,single,mode",
-    [("oryx_tg", "gdn", Mode.LINEAR), ("oryx_tm", "mamba2", Mode.LINEAR), ("oryx_tg", "attention", Mode.ATTENTION)],
+    [*((family, linear_mixer_of(family), Mode.LINEAR) for family in FAMILIES),
+     ("oryx_tg", "attention", Mode.ATTENTION)],
 )
 def test_single_mode_equals_the_single_mixer_layer(family, single, mode):
     multi = build_mixer(family)

@@ -1,110 +1,87 @@
-"""A linear mixer is one class and one registration (docs/model.md, "Adding a linear mixer"): this module adds a
-third one, a RetNet-style retention with a fixed decay per head, and runs it through what the project proves of
-its mixers: the parallel forward equals step-by-step decode (fp64), TP=2 equals TP=1, a checkpoint saves and
-loads, the Hugging Face export computes the same logits.
-
-    S_t = exp(-exp(A_log)) S_{t-1} + k_t v_t^T,   o_t = S_t^T q_t / sqrt(d_k)
-
-(Mamba-2's SSD scan with every time step 1: the ops exist, so the class is its parameters and their use.)
-"""
-
-import math
-from typing import Dict, Optional, Tuple
+"""A linear mixer from outside the package, with a kernel op of its own (docs/model.md, "Adding a linear mixer"):
+tests/mixers/gla.py declares Gated Linear Attention (a decay per key dimension) and its ops, and registers both.
+The proofs of every registered mixer run for it by themselves (tests/helpers.py ``linear_families``: the
+invariants of tests/test_multi_mixer.py, packed documents, TP=2, CP=2, the Hugging Face model's logits); this
+module proves what those do not: its op against the recurrence (fp64, gradients, packed documents), that a recipe
+names it, and that a model of it travels through a checkpoint and a saved Hugging Face folder."""
 
 import pytest
 import torch
-from torch import Tensor
+import torch.nn.functional as F
 
-from oryx_megatron.config import MixerConfig
-from oryx_megatron.mixer import LINEAR_MIXERS, LinearMixer
 from oryx_megatron.models.builder import build_model, transformer_config
-from oryx_megatron.ops import Documents
-from tests.distributed import run_distributed
-from tests.helpers import build_mixer, tiny_args
-from tests.test_multi_mixer import hidden_states, random_modes, run_decode, run_parallel
-from tests.test_tensor_parallel import tp_equals_tp1
+from oryx_megatron.ops import OPS, get_kernels
+from tests.helpers import tiny_args
+from tests.mixers.gla import GatedLinearAttention, chunk_gla, gla_step
+from tests.ops.equivalence import assert_same_values_and_grads
+from tests.ops.test_ops_documents import CHUNK, DK, DV, H, S, compare
+from tests.ops.test_ops_documents import rand as document_rand
+from tests.test_multi_mixer import random_modes
 
-MIXERS = "attention+retention"
-
-
-class Retention(LinearMixer):
-    """Streams q_lin [d_k]; parameter A_log, one decay per head (RetNet's: 1 - 2^(-5 - h), fixed at init)."""
-
-    def __init__(self, config: MixerConfig, shard, kernels):
-        super().__init__(config, shard, kernels)
-        self.add_scalar_params({"A_log": ((config.num_attention_heads,), self._retnet_decays)})
-
-    @staticmethod
-    def streams(config: MixerConfig) -> Dict[str, int]:
-        return {"q_lin": config.kv_channels}
-
-    def forward(self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-                documents: Optional[Documents] = None) -> Tuple[Tensor, Optional[Tensor]]:
-        q, k = self._query_key(x)  # [b, s, h, d_k]
-        return self.kernels.ssd_chunk_scan(x["v"], torch.ones_like(q[..., 0]), self.A, k, q,
-                                           initial_state=initial_state, output_final_state=output_final_state,
-                                           chunk_size=self.config.linear_chunk_size, documents=documents)
-
-    def step(self, x: Dict[str, Tensor], state: Tensor) -> Tuple[Tensor, Tensor]:
-        q, k = self._query_key(x)  # [b, h, d_k]
-        return self.kernels.ssd_step(x["v"], torch.ones_like(q[..., 0]), self.A, k, q, state)
-
-    def _query_key(self, x: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
-        return x["q_lin"] / math.sqrt(self.d_k), x["k"]
-
-    @staticmethod
-    def _retnet_decays(shape) -> Tensor:
-        return (-torch.log1p(-2.0 ** (-5 - torch.arange(shape[0], dtype=torch.float64)))).log().float()
+MIXERS = "attention+gla"
+B = 2
 
 
-@pytest.fixture(autouse=True)
-def retention(monkeypatch):
-    """The registration: one entry in LINEAR_MIXERS."""
-    monkeypatch.setitem(LINEAR_MIXERS, "retention", Retention)
+def gla_inputs(s, seed=0):
+    """q, k [B, s, H, DK], v [B, s, H, DV], log decays g [B, s, H, DK] (<= 0), an initial state [B, H, DK, DV]."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    inputs = dict(q=rand(B, s, H, DK), k=rand(B, s, H, DK), v=rand(B, s, H, DV), g=F.logsigmoid(rand(B, s, H, DK)))
+    return inputs, rand(B, H, DK, DV)
 
 
-def test_a_recipe_names_the_new_mixer_and_a_family_fixes_its_own():
-    args = tiny_args("oryx", mixers=MIXERS)
-    assert args.linear_mixer == "retention" and transformer_config(args).mixers == MIXERS
-    with pytest.raises(ValueError, match=r"model.mixers='attention\+retention': family 'oryx_tg' has the mixers"):
+def loop_steps(q, k, v, g, initial_state):
+    state, outs = initial_state, []
+    for t in range(q.shape[1]):
+        o, state = gla_step(q[:, t], k[:, t], v[:, t], g[:, t], state)
+        outs.append(o)
+    return torch.stack(outs, dim=1), state
+
+
+@pytest.mark.parametrize("s,chunk_size", [(21, 8), (16, 8), (3, 8)])
+def test_its_chunked_op_equals_the_recurrence_fp64_with_grads(s, chunk_size):
+    """chunk_gla == a loop of gla_step (S_t = diag(alpha_t) S_{t-1} + k_t v_t^T), outputs, final state and the
+    gradients w.r.t. every input: a partial last chunk, whole chunks, a sequence shorter than one."""
+    inputs, h0 = gla_inputs(s)
+    leaves = {name: t.clone().requires_grad_() for name, t in {**inputs, "initial_state": h0}.items()}
+    o, state = chunk_gla(**leaves, chunk_size=chunk_size)
+    grads = assert_same_values_and_grads((o, state), loop_steps(**leaves), leaves)
+    assert all(grads[name].abs().max() > 0 for name in leaves)
+
+
+@pytest.mark.parametrize("initial", [False, True])
+def test_its_op_on_packed_documents_equals_each_document_alone(initial):
+    """Its per-dimension decays reset at document starts (ops.chunking.reset_at_document_starts): outputs,
+    final states and gradients as for each document alone (tests/ops/test_ops_documents.py's fixture)."""
+    q, k, v = (document_rand(3, S, H, d, seed=i) for i, d in ((1, DK), (2, DK), (3, DV)))
+    g = F.logsigmoid(document_rand(3, S, H, DK, seed=4) + 2)  # ~-0.13: the state outlives a chunk
+    state = ("initial_state", document_rand(3, H, DK, DV, seed=5)) if initial else None
+    compare(chunk_gla, [q, k, v, g], [], dict(chunk_size=CHUNK), first_state=state)
+
+
+def test_a_recipe_names_the_new_mixer_and_its_ops_are_served():
+    args = tiny_args(MIXERS)
+    assert args.family == "oryx" and args.linear_mixer == "gla" and transformer_config(args).mixers == MIXERS
+    with pytest.raises(ValueError, match=r"model.mixers='attention\+gla': family 'oryx_tg' has the mixers"):
         tiny_args("oryx_tg", mixers=MIXERS)
-
-
-@pytest.mark.usefixtures("single_process_parallel")
-@pytest.mark.parametrize("prefill", [0, 13])
-def test_parallel_forward_equals_step_by_step_decode(prefill):
-    mixer = build_mixer("oryx", mixers=MIXERS)
-    assert isinstance(mixer.linear_mixer, Retention)
-    bf16 = tiny_args("oryx", mixers=MIXERS)
-    bf16 = build_model(bf16, transformer_config(bf16, params_dtype=torch.bfloat16, bf16=True))
-    assert bf16.decoder.layers[0].mixer.linear_mixer.A_log.dtype == torch.float32  # add_scalar_params: fp32
-    x, modes = hidden_states(40), random_modes(41, chunk=4)
-    assert (run_decode(mixer, x, modes, prefill=prefill) - run_parallel(mixer, x, modes)).abs().max() < 1e-9
-    linear, attention = (run_parallel(mixer, x, torch.full_like(modes, m)) for m in (0, 1))
-    assert (linear - attention).abs().max() > 1e-3
-
-
-def _registered_tp_equals_tp1(tmp: str, level: str):
-    LINEAR_MIXERS["retention"] = Retention  # each process registers it, as the module importing it would
-    tp_equals_tp1(tmp, level, [("oryx", False), ("oryx", True)], mixers=MIXERS)
-
-
-@pytest.mark.parametrize("level", ["mixer", "model"])
-def test_tensor_parallel_equals_single_rank(tmp_path, level):
-    run_distributed(_registered_tp_equals_tp1, str(tmp_path), level)
+    kernels = get_kernels("torch")
+    assert kernels.chunk_gla is OPS["chunk_gla"].torch is chunk_gla and kernels.names["gla_step"] == "torch"
 
 
 def test_checkpoint_and_hf_export_give_the_same_logits(single_process_parallel, tmp_path):
+    """The model-only checkpoint of a run loads it by its recipe's mixers; the exported Hugging Face folder loads
+    it where the class is registered (this process): the same logits."""
     from transformers import AutoModelForCausalLM
 
-    from oryx_megatron.interop.hf_convert import hf_config, hf_model, megatron_to_hf, model_args
     from oryx_megatron.inference.checkpoint import load_model
+    from oryx_megatron.interop.hf_convert import hf_config, hf_model, megatron_to_hf, model_args
     from oryx_megatron.run_config import TrainConfig
     from oryx_megatron.training.router import save_model
 
-    args = tiny_args("oryx", mixers=MIXERS, kernel_backend="torch")
+    args = tiny_args(MIXERS)
     torch.manual_seed(0)
     model = build_model(args, transformer_config(args)).eval()
+    assert isinstance(model.decoder.layers[0].mixer.linear_mixer, GatedLinearAttention)
     g = torch.Generator().manual_seed(42)
     ids, modes = torch.randint(0, args.vocab_size, (2, 29), generator=g), random_modes(42, chunk=8)
     with torch.no_grad():
@@ -112,7 +89,7 @@ def test_checkpoint_and_hf_export_give_the_same_logits(single_process_parallel, 
 
     run = TrainConfig(model=args)
     run.checkpoint.dir = str(tmp_path / "ckpt")
-    loaded, run = load_model(str(save_model(run, model, iteration=1)))  # the model-only checkpoint of a run
+    loaded, run = load_model(str(save_model(run, model, iteration=1)))
     assert run.model.mixers == MIXERS
     with torch.no_grad():
         assert torch.equal(loaded(ids, modes), want)

@@ -153,7 +153,7 @@ def test_bad_router_specs_give_one_named_line():
         parse_schedule("router threshold=high")
     plain, args = tiny_args("oryx_tg"), None
     model = build_model(plain, transformer_config(plain, params_dtype=torch.float32))
-    with pytest.raises(ValueError, match=r"needs a model with a router \(model.router_hidden\)"):
+    with pytest.raises(ValueError, match=r"needs a model with a router \(router.hidden\)"):
         generate(model, [[1, 2, 3]], "router threshold=0.5", 2)
     with pytest.raises(ValueError, match=r"router_hidden=8: a router .* mixers='gdn'"):
         transformer_config(tiny_args("gdn", router_hidden=8))

@@ -158,14 +158,14 @@ def test_joint_routing_trains_the_router_holds_the_budget_price_and_resumes_exac
 def test_joint_routing_prices_every_token_and_counts_rounded_weights_as_attention():
     """A recall task's loss covers its answers only: the price of attention (and the fraction the budget
     holds) still counts every token. The weights a + p - p.detach() are 0/1 up to rounding."""
-    from oryx_megatron.training.steps import _loss
+    from oryx_megatron.training.joint_routing import routed_loss_func
 
     p = torch.full((1, 4), 0.3)
     weights = torch.tensor([[1.0, 0.0, 1.0, 1.0]]) + p - p.detach()  # 1 + 0.3 - 0.3 != 1 in fp32
     mask = torch.tensor([[0.0, 1.0, 0.0, 0.0]])  # one answer, reading linear
     reads = torch.tensor([[True, False, False, True]])  # p >= 0.5: what inference would read
-    total, count, report = _loss(mask, weights, torch.full((1, 4), 2.0), attention_cost=0.5 * weights,
-                                 reads_at_inference=reads)
+    total, count, report = routed_loss_func(mask, weights, torch.full((1, 4), 2.0), attention_cost=0.5 * weights,
+                                            reads_at_inference=reads)
     assert report["routed_tokens"].tolist() == [3, 2, 4] and int(count) == 1
     assert report["loss_sums"].tolist() == [2.0, 1.0, 0.0, 0.0]  # the LM loss's sums: the answer, linear
     assert float(total) == pytest.approx(2.0 + 0.5 * 3)  # the price of the three attention tokens
@@ -175,7 +175,7 @@ def test_the_score_function_estimator_adds_zero_to_the_loss_and_reinforce_to_the
     """router.estimator=score_function: the loss's value is the straight-through one's (LM loss and price);
     its gradient in the router's logits is d log P(drawn) x (each token's loss and price - the batch's mean at
     its position), summed over the tokens of each chunk."""
-    from oryx_megatron.training.steps import _loss
+    from oryx_megatron.training.joint_routing import routed_loss_func
 
     logits = torch.tensor([[0.3, -1.0], [2.0, 0.5]], dtype=torch.float64, requires_grad=True)  # [b=2, n=2 chunks]
     drawn = torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
@@ -184,8 +184,8 @@ def test_the_score_function_estimator_adds_zero_to_the_loss_and_reinforce_to_the
     per_token_loss = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.5, 1.5, 2.5, 3.5]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 1.0]])
     cost = 0.25 * modes
-    total, count, report = _loss(mask, modes, per_token_loss, attention_cost=cost, reads_at_inference=modes > 0.5,
-                                 log_prob=log_prob)
+    total, count, report = routed_loss_func(mask, modes, per_token_loss, attention_cost=cost,
+                                            reads_at_inference=modes > 0.5, log_prob=log_prob)
     assert float(total.detach()) == pytest.approx(float((per_token_loss * mask).sum() + cost.sum())) and int(count) == 6
     total.backward()
     r = (per_token_loss * mask + cost).view(2, 2, 2).sum(-1)  # [b, n]: each chunk's losses and price

@@ -24,7 +24,7 @@ from oryx_megatron.launch import (
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "slurm"
-RECIPES = REPO / "oryx_megatron" / "recipes"
+RECIPES = REPO / "recipes"
 JOB_ID = "123457"
 
 
@@ -307,7 +307,7 @@ def test_request_requeue_without_sbatch_script(fake_slurm, monkeypatch, env, req
 
 @pytest.fixture
 def compose_launcher(tmp_path):
-    """Compose a minimal app whose search path holds oryx_megatron/recipes/, with a given hydra/launcher."""
+    """Compose a minimal app whose search path holds recipes/, with a given hydra/launcher."""
     (tmp_path / "app.yaml").write_text(f"hydra:\n  searchpath:\n    - file://{RECIPES}\n")
 
     def run(launcher, *overrides):

@@ -11,8 +11,8 @@ from tests.distributed import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 # What each part of the library may import (besides itself and third-party packages). From the bottom:
-# config (the schemas), compat, launch, parallel (foundation); ops; data (with data.prep, oryx-prep's library; knows
-# no model); mixer (the one mixer core: plain torch); run_config (oryx-train's schema); checkpoint (checkpoint
+# config (the schemas), compat, launch, parallel (foundation); ops; data, and data_prep over it (oryx-prep's library;
+# both know no model); mixer (the one mixer core: plain torch); run_config (oryx-train's schema); checkpoint (checkpoint
 # files); layers (megatron holders) <- models <- {training, inference}; hf (the transformers front end) over the
 # core, the schema and the data layer's mode vocabulary only, no megatron; eval; interop (checkpoint files to and from other formats); experiments and
 # checks (harnesses, out of the runtime path); cli on top (nothing imports the console scripts).
@@ -25,19 +25,21 @@ ALLOWED = {
     "launch": set(),
     "parallel": {"compat", "launch"},
     "data": {"config"},
+    "data_prep": {"config", "data"},  # oryx-prep's library: the tokenizers and the shard writer
     "mixer": {"ops", "config"},
     "run_config": {"config", "data", "mixer"},
     "checkpoint": {"compat", "config", "run_config"},
     "layers": {"mixer", "ops", "config"},
     "models": {"layers", "mixer", "ops", "run_config"} | FOUNDATION,  # params sets up parallel state; compat
     "training": {"models"} | BELOW_MODELS,
-    "inference": {"models"} | BELOW_MODELS,
+    "inference": {"models", "data_prep"} | BELOW_MODELS,  # loading.py: a dataset's tokenizer
     "hf": {"mixer", "config", "data"},  # the core, the schema, the mode vocabulary: no megatron (an exported folder)
     "eval": {"inference", "training", "models"} | BELOW_MODELS,
     "interop": {"hf", "inference", "training", "models"} | BELOW_MODELS,
     "experiments": {"eval", "inference", "training", "models"} | BELOW_MODELS,
     "checks": {"interop", "hf", "eval", "inference", "training", "models"} | BELOW_MODELS,
-    "cli": {"experiments", "checks", "interop", "hf", "eval", "inference", "training", "models"} | BELOW_MODELS,
+    "cli": {"experiments", "checks", "interop", "hf", "eval", "inference", "training", "models", "data_prep"}
+           | BELOW_MODELS,
 }
 
 
@@ -57,13 +59,26 @@ def _imports(path: Path, package: str):
             yield node.lineno, ".".join(base + ([node.module] if node.module else []))
 
 
+# Where the package's modules lie in the checkout: oryx_megatron/, and the top-level folders that pyproject.toml's
+# package-dir maps into it.
+SOURCES = {"oryx_megatron": "oryx_megatron", "oryx_megatron.data_prep": "data_prep",
+           "oryx_megatron.recipes": "recipes"}
+
+
+def package_files(root: Path = ROOT):
+    """(path, dotted module name) for each .py file of the package under root, in the order of the paths."""
+    files = [(path, ".".join([package, *path.relative_to(root / folder).with_suffix("").parts]))
+             for package, folder in SOURCES.items() for path in (root / folder).rglob("*.py")]
+    return sorted(files)
+
+
 def upward_imports(root: Path = ROOT):
     """'file:line imports module' for each import under root that runs up the layers."""
     found = []
-    for path in sorted((root / "oryx_megatron").rglob("*.py")):
+    for path, name in package_files(root):
         rel = path.relative_to(root)
-        package = ".".join(rel.parts[:-1])  # the package the file belongs to
-        source = _part(rel.with_suffix("").as_posix().replace("/", "."))
+        package = name.rpartition(".")[0]  # the package the file belongs to
+        source = _part(name)
         for line, module in _imports(path, package):
             if module is None or not module.startswith("oryx_megatron"):
                 continue
@@ -83,7 +98,9 @@ def test_the_import_check_sees_upward_imports(tmp_path):
         "oryx_megatron/data/probe.py": "import torch\ndef f():\n    from oryx_megatron.eval import ppl\n",
         "oryx_megatron/layers/probe.py": "from ..models import builder\nfrom ..ops import conv\n",
         "oryx_megatron/models/probe.py": "from oryx_megatron.layers import norms\n",
-        "oryx_megatron/data/prep/probe.py": "from oryx_megatron.training import config\n",
+        "data_prep/probe.py": "from oryx_megatron.training import config\nfrom oryx_megatron.data import shards\n"
+                              "from .tokenizer import ByteTokenizer\nfrom ..models import builder\n",
+        "oryx_megatron/training/probe.py": "from oryx_megatron.data_prep.tokenizer import ByteTokenizer\n",
         "oryx_megatron/eval/probe.py": "from oryx_megatron.cli.errors import one_line\n",
         "oryx_megatron/experiments/probe.py": "from oryx_megatron.hf import convert\nfrom oryx_megatron.eval import ppl\n",
     }
@@ -91,11 +108,13 @@ def test_the_import_check_sees_upward_imports(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert upward_imports(tmp_path) == [
-        "oryx_megatron/data/prep/probe.py:1 imports oryx_megatron.training",
+        "data_prep/probe.py:1 imports oryx_megatron.training",
+        "data_prep/probe.py:4 imports oryx_megatron.models",
         "oryx_megatron/data/probe.py:3 imports oryx_megatron.eval",
         "oryx_megatron/eval/probe.py:1 imports oryx_megatron.cli.errors",
         "oryx_megatron/experiments/probe.py:1 imports oryx_megatron.hf",
         "oryx_megatron/layers/probe.py:1 imports oryx_megatron.models",
+        "oryx_megatron/training/probe.py:1 imports oryx_megatron.data_prep.tokenizer",
     ]
 
 
@@ -147,11 +166,11 @@ def _dotted(node) -> str:
 
 
 def megatron_version_reads(root: Path = ROOT):
-    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in oryx_megatron/ and
+    """'file:line' for each read of megatron-core's version outside VERSION_READERS, in the package's folders and
     benchmarks/: its ``__version__`` / ``package_info`` (an attribute, also through an import alias, or an import)
     or its distribution's name (``importlib.metadata.version("megatron-core")``)."""
     found = []
-    for path in sorted(p for part in ("oryx_megatron", "benchmarks") for p in (root / part).rglob("*.py")):
+    for path in sorted(p for part in (*SOURCES.values(), "benchmarks") for p in (root / part).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel in VERSION_READERS:
             continue
@@ -187,8 +206,7 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         "oryx_megatron/training/probe.py": "from megatron.core import package_info\nimport megatron.core as mc\n"
                                            "v = mc.__version__\n",
         "benchmarks/probe.py": "import importlib.metadata\nv = importlib.metadata.version('Megatron-Core')\n",
-        "oryx_megatron/data/prep/probe.py": "from megatron.core.package_info import __version__\n"
-                                            "import megatron.core.package_info\n",
+        "data_prep/probe.py": "from megatron.core.package_info import __version__\nimport megatron.core.package_info\n",
         "oryx_megatron/ops/probe.py": '"""Runs on megatron-core."""\nimport megatron.core.tensor_parallel\nx = t.__version__\n',
         "oryx_megatron/compat/megatron.py": "import megatron.core\nv = megatron.core.__version__\n",
     }
@@ -196,7 +214,7 @@ def test_the_version_check_sees_every_way_of_reading_it(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert megatron_version_reads(tmp_path) == [f"{where} reads megatron-core's version" for where in (
-        "benchmarks/probe.py:2", "oryx_megatron/data/prep/probe.py:1", "oryx_megatron/data/prep/probe.py:2",
+        "benchmarks/probe.py:2", "data_prep/probe.py:1", "data_prep/probe.py:2",
         "oryx_megatron/models/probe.py:2", "oryx_megatron/training/probe.py:1", "oryx_megatron/training/probe.py:3")]
 
 

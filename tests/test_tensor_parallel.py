@@ -18,10 +18,12 @@ from oryx_megatron.mixer import MixerContext
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from tests.distributed import run_distributed
-from tests.helpers import build_mixer, tiny_args
+from tests.helpers import build_mixer, from_outside, linear_families, tiny_args
 
 B, S, HIDDEN, VOCAB = 2, 24, 64, 97
-CASES = [("oryx_tg", False), ("oryx_tg", True), ("oryx_tm", False), ("oryx_tm", True)]
+# (family, sequence parallel): attention with every registered linear mixer, both ways (a mixer from outside the
+# package, the tests' GLA: with sequence parallelism and packed documents only)
+CASES = [(family, sp) for family in linear_families() for sp in ((True,) if from_outside(family) else (False, True))]
 
 
 def save(module, path: Path):

@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
-from oryx_megatron.data.prep import PrepError
+from oryx_megatron.data_prep import PrepError
 
 EXIT_CODE = 2
 DEBUG_FLAG = "--debug"

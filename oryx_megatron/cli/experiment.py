@@ -1,4 +1,4 @@
-"""oryx-experiment: train, evaluate and tabulate one experiment of oryx_megatron/recipes/experiment/.
+"""oryx-experiment: train, evaluate and tabulate one experiment of recipes/experiment/.
 
     oryx-experiment e1_retrieval                      # the documented size (docs/results.md)
     oryx-experiment e2_lm --seeds 1 2 3 train.train_iters=600
@@ -21,7 +21,7 @@ from oryx_megatron.experiments.tables import markdown_table
 
 def _main(argv: List[str]) -> int:
     parser = command_parser("oryx-experiment", __doc__)
-    parser.add_argument("experiment", help="a name of oryx_megatron/recipes/experiment/ (e.g. e1_retrieval)")
+    parser.add_argument("experiment", help="a name of recipes/experiment/ (e.g. e1_retrieval)")
     parser.add_argument("overrides", nargs="*", help="oryx-train overrides for every run (key=value)")
     parser.add_argument("--out", default="runs/experiments", help="output root (default runs/experiments)")
     parser.add_argument("--seeds", type=int, nargs="+", help="replace the experiment's seeds")

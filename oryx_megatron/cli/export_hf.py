@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from oryx_megatron.cli.common import HF_NEEDS, hf_format_parser, load_checkpoint
 from oryx_megatron.cli.errors import InputError, run_command
-from oryx_megatron.data.prep.tokenizer import ByteTokenizer
+from oryx_megatron.data_prep.tokenizer import ByteTokenizer
 from oryx_megatron.inference.checkpoint import resolve_checkpoint
 from oryx_megatron.checkpoint import load_common
 from oryx_megatron.inference.loading import DTYPES, dataset_tokenizer

@@ -27,7 +27,7 @@ from typing import List, Optional
 from oryx_megatron.cli.common import add_model_arguments, load_checkpoint
 from oryx_megatron.cli.errors import InputError, command_parser, run_command
 from oryx_megatron.config import Mode
-from oryx_megatron.data.prep.tokenizer import AnyTokenizer
+from oryx_megatron.data_prep.tokenizer import AnyTokenizer
 from oryx_megatron.eval.ppl import document_reset_id
 from oryx_megatron.inference import (
     ALL_ATTENTION,

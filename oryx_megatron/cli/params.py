@@ -1,9 +1,9 @@
 """oryx-params: parameter counts of a model recipe, and how much the two modes share.
 
-    oryx-params model=oryx_tg_1_4b            # any recipe under oryx_megatron/recipes/model
+    oryx-params model=oryx_tg_1_4b            # any recipe under recipes/model
     oryx-params model=tiny_oryx_tg model.ffn_hidden_size=512
 
-Arguments are Hydra overrides of oryx_megatron/recipes/oryx_params.yaml; ``--debug`` shows an error's
+Arguments are Hydra overrides of recipes/oryx_params.yaml; ``--debug`` shows an error's
 traceback. The model is built on the meta device (``models.params``: what the fractions mean).
 """
 

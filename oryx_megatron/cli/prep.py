@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import List, Optional
 
 from oryx_megatron.cli.errors import command_parser, run_command
-from oryx_megatron.data.prep import PrepError
-from oryx_megatron.data.prep.inputs import InputOptions, check_text_inputs, expand_inputs, stdlib_files
-from oryx_megatron.data.prep.pipeline import tokenize_dataset, train_corpus_tokenizer
-from oryx_megatron.data.prep.tokenizer import EOD_TOKEN, ByteTokenizer, HFTokenizer
 from oryx_megatron.data.shards import Manifest, read_documents
+from oryx_megatron.data_prep import PrepError
+from oryx_megatron.data_prep.inputs import InputOptions, check_text_inputs, expand_inputs, stdlib_files
+from oryx_megatron.data_prep.pipeline import tokenize_dataset, train_corpus_tokenizer
+from oryx_megatron.data_prep.tokenizer import EOD_TOKEN, ByteTokenizer, HFTokenizer
 
 
 def _size(text: str) -> int:

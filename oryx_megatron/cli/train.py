@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 -m oryx_megatron.cli.train recipe=oryx_tg_1_4b parallel.tensor_model_parallel_size=2
     oryx-train -m recipe=oryx_tg_130m optimizer.lr=1e-3,3e-3 hydra/launcher=slurm
 
-A Hydra app over oryx_megatron/recipes/train.yaml (docs/training.md); the run itself is
+A Hydra app over recipes/train.yaml (docs/training.md); the run itself is
 ``training.loop.pretrain``. ``--debug`` (or HYDRA_FULL_ERROR=1) shows an error's traceback.
 """
 

@@ -95,16 +95,6 @@ class MixerConfig:
     kernel_backend: str = "auto"
     """'auto' (CUDA kernels where present, env ORYX_KERNEL_BACKEND overrides), 'torch' or 'cuda'."""
 
-    router_hidden: Optional[int] = None
-    """Width of the chunk router's hidden layer (mixer/router.py); None: no router. Multi-mixer only."""
-
-    router_chunk_size: int = 128
-    """Tokens per router decision (the training mode chunk by default; a schedule may choose another)."""
-
-    router_layers: int = 1
-    """Layers whose two reads the router reads, from the first (mixer/router.py): 1, the first layer's, known
-    before any mode; more, those of an all-linear pass (generation keeps its caches beside the model's)."""
-
     def __post_init__(self):
         self.check_mixer_fields()
 
@@ -122,16 +112,13 @@ class MixerConfig:
         if sum(m != ATTENTION for m in mixers) > 1:
             raise MixerConfigError("mixers", f"mixers={self.mixers!r}: at most one linear mixer per layer")
         for name in ("hidden_size", "num_attention_heads", "kv_channels", "value_head_dim", "mixer_conv_kernel",
-                     "linear_chunk_size", "router_chunk_size", "router_layers"):
+                     "linear_chunk_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise MixerConfigError(name, f"{name}={getattr(self, name)!r} must be a positive integer")
         choices = {"mixer_conv_activation": CONV_ACTIVATIONS, "kv_gate": KV_GATES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise MixerConfigError(name, f"{name}={getattr(self, name)!r}: expected one of {allowed}")
-        if self.router_hidden is not None and (self.router_hidden < 1 or not self.is_multi_mixer):
-            raise MixerConfigError("router_hidden", f"router_hidden={self.router_hidden}: a router is a positive "
-                                                    f"width and chooses between two mixers, got mixers={self.mixers!r}")
         if self.shared_query and not self.is_multi_mixer:
             raise MixerConfigError("shared_query", f"shared_query=True needs two mixers to share it, got "
                                                    f"mixers={self.mixers!r}")

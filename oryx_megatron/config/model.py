@@ -1,5 +1,6 @@
 """The schema of a model recipe (recipes/model/*.yaml): ``ModelArgs``, the family, the model's shape and
-every ``MixerConfig`` field (a recipe can set any of them, ``mixers`` included)."""
+every ``MixerConfig`` field (a recipe can set any of them, ``mixers`` included); the router's are ``RouterConfig``'s
+(config/router.py), of which ``ModelArgs`` keeps the former keys as aliases."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -39,6 +40,11 @@ class ModelArgs(MixerConfig):
     share_embeddings_and_output_weights: bool = True
     init_method_std: float = 0.02
     transformer_impl: str = "local"  # or "transformer_engine"
+    # aliases of router.hidden, router.chunk_size, router.layers (config/router.py), the keys of the router's
+    # architecture before it had its schema: oryx-train moves them there; a recipe built alone takes its router from them
+    router_hidden: Optional[int] = None
+    router_chunk_size: Optional[int] = None
+    router_layers: Optional[int] = None
 
     def __post_init__(self):
         """The family's mixers filled in, the mixer fields checked on a copy (kv_channels and value_head_dim
@@ -57,9 +63,6 @@ class ModelArgs(MixerConfig):
                                              f"{preset!r}; other mixers are family 'oryx'")
         self.mixers = self.mixers or preset
         MixerConfig(**self.mixer_fields())
-        if self.router_layers > self.num_layers:
-            raise MixerConfigError("router_layers", f"model.router_layers={self.router_layers} exceeds "
-                                                    f"num_layers={self.num_layers}")
 
     @property
     def is_transformer(self) -> bool:

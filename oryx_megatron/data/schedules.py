@@ -141,7 +141,7 @@ class RouterSchedule(InferenceSchedule):
     the chunks so far that did exceed budget x chunks so far + 1, so the budget a stretch of unwanted chunks
     leaves unspent carries forward to later ones. Decisions are made in order, each from the router's logit
     of that chunk alone (which reads only its first token and earlier ones): causal. ``chunk_size`` None:
-    the model's router_chunk_size."""
+    the model's router's (router.chunk_size)."""
 
     threshold: Optional[float] = None
     budget: Optional[float] = None

@@ -1,4 +1,4 @@
-"""The on-disk format shared by ``data.prep`` (writer) and the loader (reader).
+"""The on-disk format shared by ``oryx_megatron.data_prep`` (writer) and the loader (reader).
 
 A dataset is a directory with ``manifest.json`` and WebDataset tar shards. Each tar
 sample is a block of whole documents: ``<key>.tokens.npy`` (the documents' token ids

@@ -80,7 +80,7 @@ def score_continuation(model, context_ids: Sequence[int], continuation_ids: Sequ
 class OryxLM(LM):
     """lm-eval's requests answered by ``model`` (on its device, TP = PP = 1) under ``schedule``
     (an inference schedule or its text form); ``tokenizer`` has ``encode_batch``, ``decode``,
-    ``vocab_size`` and ``eod_id`` (``data.prep.tokenizer``'s); ``max_length`` defaults to the
+    ``vocab_size`` and ``eod_id`` (``data_prep.tokenizer``'s); ``max_length`` defaults to the
     model's max_sequence_length."""
 
     def __init__(self, model, tokenizer, schedule="all_attention", batch_size=1, max_length: Optional[int] = None):

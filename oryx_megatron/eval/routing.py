@@ -83,7 +83,7 @@ def evaluate_routing(model, run: TrainConfig, quality: str = "mqar", budgets: Se
     quality (mqar: accuracy, token_accuracy; ppl: loss) with its standard error ``se``."""
     if quality not in QUALITIES:
         raise ValueError(f"routing quality {quality!r}: expected one of {QUALITIES}")
-    chunk = chunk_size or run.model.router_chunk_size
+    chunk = chunk_size or run.router.chunk_size
     seq_len = run.data.seq_length
     vocab = dataset_vocab(run)[0]
     if quality == "mqar":

@@ -1,5 +1,5 @@
 """The experiment driver behind ``oryx-experiment``: train, evaluate and tabulate one experiment of
-oryx_megatron/recipes/experiment/.
+recipes/experiment/.
 
 An experiment lists model recipes, variants (extra oryx-train overrides), seeds, the
 oryx-train overrides every run shares and one evaluation (an oryx-eval task). Every run

@@ -1,4 +1,4 @@
-"""The schema of oryx_megatron/recipes/experiment/<name>.yaml, and its loading and checks."""
+"""The schema of recipes/experiment/<name>.yaml, and its loading and checks."""
 
 import dataclasses
 import inspect
@@ -37,11 +37,11 @@ class Validation:
 
 @dataclass
 class Experiment:
-    """Schema of oryx_megatron/recipes/experiment/<name>.yaml."""
+    """Schema of recipes/experiment/<name>.yaml."""
 
     name: str
     claim: str  # the paper's claim under test, one line
-    models: List[str]  # oryx_megatron/recipes/model/<name>
+    models: List[str]  # recipes/model/<name>
     seeds: List[int]
     eval: Dict[str, Any]  # task: one of EVALS; the rest: arguments of its function
     metrics: List[str]  # result columns tabulated (mean and std over seeds); the first is plotted
@@ -67,13 +67,13 @@ def load_experiment(name: str, smoke: bool = False, seeds: Optional[List[int]] =
     defaults list), checked against the schema; ``smoke`` merges its smoke section."""
     if not (EXPERIMENTS_DIR / f"{name}.yaml").exists():
         known = ", ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")))
-        raise ValueError(f"unknown experiment {name!r}; oryx_megatron/recipes/experiment/ has {known}")
+        raise ValueError(f"unknown experiment {name!r}; recipes/experiment/ has {known}")
     with initialize_config_dir(str(EXPERIMENTS_DIR), version_base=None):
         cfg = compose(name)
     try:
         exp: Experiment = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Experiment), cfg))
     except OmegaConfBaseException as e:
-        raise ValueError(f"oryx_megatron/recipes/experiment/{name}.yaml: {e.msg}") from None
+        raise ValueError(f"recipes/experiment/{name}.yaml: {e.msg}") from None
     exp.variants = exp.variants or {"base": {}}
     if smoke:
         apply_smoke(exp, name)
@@ -82,11 +82,11 @@ def load_experiment(name: str, smoke: bool = False, seeds: Optional[List[int]] =
     exp.sweep_seeds = exp.sweep_seeds or exp.seeds[:1]
     task = exp.eval.get("task")
     if task not in EVALS:
-        raise ValueError(f"oryx_megatron/recipes/experiment/{name}.yaml: eval.task={task!r}; expected one of {sorted(EVALS)}")
+        raise ValueError(f"recipes/experiment/{name}.yaml: eval.task={task!r}; expected one of {sorted(EVALS)}")
     allowed = set(inspect.signature(EVALS[task]).parameters) - {"model", "run", "out", "task"}  # set by evaluate
     unknown = set(eval_arguments(exp)) - allowed
     if unknown:
-        raise ValueError(f"oryx_megatron/recipes/experiment/{name}.yaml: eval.{sorted(unknown)[0]} is not an argument of {task}")
+        raise ValueError(f"recipes/experiment/{name}.yaml: eval.{sorted(unknown)[0]} is not an argument of {task}")
     check_fairness(exp, name)
     return exp
 
@@ -95,7 +95,7 @@ def apply_smoke(exp: Experiment, name: str) -> None:
     """Merge the smoke section: train and eval extend, seeds, lrs and validation replace."""
     unknown = set(exp.smoke) - set(SMOKE_KEYS)
     if unknown:
-        raise ValueError(f"oryx_megatron/recipes/experiment/{name}.yaml: smoke.{sorted(unknown)[0]} is not one of {SMOKE_KEYS}")
+        raise ValueError(f"recipes/experiment/{name}.yaml: smoke.{sorted(unknown)[0]} is not one of {SMOKE_KEYS}")
     exp.train = OmegaConf.to_container(OmegaConf.merge(exp.train, exp.smoke.get("train", {})))
     exp.eval = {**exp.eval, **exp.smoke.get("eval", {})}
     exp.seeds = list(exp.smoke.get("seeds", exp.seeds))
@@ -110,7 +110,7 @@ def apply_smoke(exp: Experiment, name: str) -> None:
 def check_fairness(exp: Experiment, name: str) -> None:
     """match_params is one of the models; a sweep has MQAR data and a validation seed that is
     neither a training seed nor the test's (eval.seed)."""
-    where = f"oryx_megatron/recipes/experiment/{name}.yaml"
+    where = f"recipes/experiment/{name}.yaml"
     if exp.match_params is not None and exp.match_params not in exp.models:
         raise ValueError(f"{where}: match_params={exp.match_params!r} is not one of models {exp.models}")
     if not exp.lrs:

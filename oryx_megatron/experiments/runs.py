@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from oryx_megatron import RECIPES_DIR
 from oryx_megatron.checkpoint import latest_checkpoint
 from oryx_megatron.config import FAMILY_MIXERS
+from oryx_megatron.config.router import ALIASES as ROUTER_ALIASES
 from oryx_megatron.experiments.config import Experiment
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.models.match_width import matched_ffn
@@ -67,6 +68,8 @@ def run_key(run: TrainConfig) -> str:
     for section, keys in NOT_IN_RUN_KEY.items():
         for key in keys:
             identity[section].pop(key)
+    for key, alias in ROUTER_ALIASES.items():  # keyed as the model's fields they were before the router's schema
+        identity["model"][alias] = identity["router"].pop(key)
     if identity["router"]["mode"] == "none":  # added later too: the whole section when no router trains
         identity.pop("router")
     if identity["model"]["mixers"] == FAMILY_MIXERS[identity["model"]["family"]]:  # a family's own: not a field then

@@ -1,8 +1,9 @@
 """``OryxHFConfig``: the transformers config of an Oryx model (``model_type: "oryx"``).
 
 Every field the model's math needs is a field here: ``oryx_megatron.config.MixerConfig``'s, under the names
-transformers users know (``HF_NAMES``: ``head_dim`` is d_k, ...), and the model's own (``intermediate_size``
-the MLP width, ...), so that an exported folder loads with nothing but this package. What describes the
+transformers users know (``HF_NAMES``: ``head_dim`` is d_k, ...), the router's architecture (``RouterConfig``'s
+``hidden``, ``chunk_size``, ``layers`` as ``router_hidden``, ... : ``ROUTER_NAMES``), and the model's own
+(``intermediate_size`` the MLP width, ...), so that an exported folder loads with nothing but this package. What describes the
 training run and not the model (the run config, the training mode schedule, the iteration) is metadata in
 ``oryx``: import reads it back; the model ignores it.
 
@@ -17,7 +18,8 @@ from typing import Optional, Union
 
 from transformers import PretrainedConfig
 
-from oryx_megatron.config import MIXER_FIELDS, MixerConfig, MixerConfigError
+from oryx_megatron.config import MIXER_FIELDS, MixerConfig, MixerConfigError, RouterConfig, RouterConfigError
+from oryx_megatron.config.router import check_router
 from oryx_megatron.mixer import linear_mixer_class
 
 MODEL_TYPE = "oryx"
@@ -35,6 +37,9 @@ HF_NAMES = {
 # A config made without arguments (transformers makes one to find a saved config's non-default values).
 MIXER_DEFAULTS = {**{f.name: f.default for f in fields(MixerConfig)},
                   "hidden_size": 768, "num_attention_heads": 12, "kv_channels": 64}
+# RouterConfig's architecture -> its keys in a Hugging Face config (router_hidden None: the model has no router)
+ROUTER_NAMES = {"hidden": "router_hidden", "chunk_size": "router_chunk_size", "layers": "router_layers"}
+ROUTER_DEFAULTS = {name: getattr(RouterConfig(), key) for key, name in ROUTER_NAMES.items()}
 
 
 def hf_name(field: str) -> str:
@@ -82,13 +87,15 @@ class OryxHFConfig(PretrainedConfig):
         eos_token_id: Optional[int] = None,
         pad_token_id: Optional[int] = None,
         use_cache: bool = False,  # forward keeps no state unless asked; generate asks (generation_config)
-        **kwargs,  # MixerConfig's fields under their HF_NAMES (hidden_size, head_dim, mixers, ...), transformers'
+        **kwargs,  # MixerConfig's fields under their HF_NAMES (hidden_size, head_dim, mixers, ...), the router's
+        # (ROUTER_NAMES), transformers'
     ):
-        mixer = {field: kwargs.pop(hf_name(field), default) for field, default in MIXER_DEFAULTS.items()}
+        mixer = {hf_name(field): kwargs.pop(hf_name(field), default) for field, default in MIXER_DEFAULTS.items()}
+        router = {name: kwargs.pop(name, default) for name, default in ROUTER_DEFAULTS.items()}
         kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(**kwargs)
-        for field, value in mixer.items():
-            setattr(self, hf_name(field), value)
+        for name, value in {**mixer, **router}.items():
+            setattr(self, name, value)
         if self.value_head_dim is None:
             self.value_head_dim = self.head_dim
         self.vocab_size = vocab_size
@@ -110,11 +117,20 @@ class OryxHFConfig(PretrainedConfig):
         """The mixer's hyperparameters (checked: MixerConfigError names the field by its MixerConfig name)."""
         return MixerConfig(**{field: getattr(self, hf_name(field)) for field in MIXER_FIELDS})
 
+    @property
+    def router_config(self) -> RouterConfig:
+        """The chunk router's architecture (``hidden`` None: the model has no router)."""
+        return RouterConfig(**{key: getattr(self, name) for key, name in ROUTER_NAMES.items()})
+
     def _check(self) -> None:
         try:
             linear_mixer_class(self.mixer_config)
         except MixerConfigError as e:
             raise ValueError(f"OryxHFConfig.{hf_name(e.field)}: {e}") from None
+        try:
+            check_router(self.router_config, self.mixer_config, self.num_hidden_layers, ROUTER_NAMES)
+        except RouterConfigError as e:
+            raise ValueError(f"OryxHFConfig.{e.key}: {e}") from None
         if self.default_mode not in MODE_NAMES:
             raise ValueError(f"OryxHFConfig.default_mode={self.default_mode!r}: expected one of {MODE_NAMES}")
         version = self.oryx.get("format_version", FORMAT_VERSION)

@@ -79,7 +79,7 @@ def oryx_rules(config) -> Tuple[Rule, ...]:
     mixer_config = config.mixer_config
     with torch.device("meta"):
         mixer = OryxMixer(mixer_config, HeadShard(initialize=False))
-        router = ChunkRouter(mixer_config) if mixer_config.router_hidden is not None else None
+        router = ChunkRouter(mixer_config, config.router_config) if config.router_hidden is not None else None
     return (
         _EMBEDDING,
         Rule("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",)),

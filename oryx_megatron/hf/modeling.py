@@ -100,7 +100,8 @@ class OryxModel(OryxPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(OryxDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.router = ChunkRouter(config.mixer_config) if config.router_hidden is not None else None
+        router = config.router_config
+        self.router = ChunkRouter(config.mixer_config, router) if router.hidden is not None else None
         self.post_init()
 
     def get_input_embeddings(self):

@@ -15,6 +15,7 @@ from oryx_megatron.checkpoint import (
     verify_checkpoint,
 )
 from oryx_megatron.config import ModelArgs
+from oryx_megatron.config.router import move_aliases
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from oryx_megatron.run_config import TrainConfig
@@ -37,11 +38,12 @@ def resolve_checkpoint(path: str) -> Path:
 
 def migrate_run_config(cfg: DictConfig) -> DictConfig:
     """A run config written before ``train.recompute_activations`` (full recomputation) became
-    ``train.recompute_granularity``, in today's keys."""
+    ``train.recompute_granularity``, or before the router had its schema (``model.router_hidden``, ... became
+    ``router.hidden``, ...), in today's keys."""
     train = cfg.get("train") or {}
     if "recompute_activations" in train:
         train.recompute_granularity = "full" if train.pop("recompute_activations") else None
-    return cfg
+    return move_aliases(cfg)
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32,
@@ -54,7 +56,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32,
     run: TrainConfig = OmegaConf.to_object(OmegaConf.merge(schema, migrate_run_config(OmegaConf.load(ckpt / RUN_CONFIG))))
     initialize_parallel(seed=run.train.seed, context_parallel_size=context_parallel_size)
     args: ModelArgs = run.model
-    model = build_model(args, transformer_config(args, params_dtype=dtype, perform_initialization=False,
+    model = build_model(args, transformer_config(args, run.router, params_dtype=dtype, perform_initialization=False,
                                                  context_parallel_size=context_parallel_size))
     state = load_sharded({"model": model.sharded_state_dict()}, ckpt)
     model.load_state_dict(state["model"])

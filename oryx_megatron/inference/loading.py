@@ -6,8 +6,8 @@ from typing import Optional
 import torch
 
 from oryx_megatron.data.loader import parse_blend
-from oryx_megatron.data.prep.tokenizer import EOD_TOKEN, AnyTokenizer, load_tokenizer
 from oryx_megatron.data.shards import Manifest
+from oryx_megatron.data_prep.tokenizer import EOD_TOKEN, AnyTokenizer, load_tokenizer
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.run_config import TrainConfig
 

@@ -23,10 +23,10 @@ class ChunkDecisions:
 
     def __init__(self, model, schedule: RouterSchedule, batch_size: int, device):
         if getattr(model, "router", None) is None:
-            raise ValueError(f"schedule '{schedule}' needs a model with a router (model.router_hidden); "
+            raise ValueError(f"schedule '{schedule}' needs a model with a router (router.hidden); "
                              "this one has none")
         router = model.router
-        self.chunk_size = schedule.chunk_size or model.config.router_chunk_size
+        self.chunk_size = schedule.chunk_size or model.config.router.chunk_size
         self.threshold = schedule.threshold
         if self.threshold is None:  # a budget alone: its calibrated quantile (if any), at least the router's own 0.5
             self.threshold = max(ROUTER_THRESHOLD, router.budget_threshold(schedule.budget) or 0.0)

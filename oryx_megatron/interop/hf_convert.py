@@ -4,8 +4,8 @@
   ``OryxHFConfig`` and ``OryxForCausalLM`` weights; the Transformer baseline becomes a stock
   ``LlamaConfig`` / ``LlamaForCausalLM`` (rotate-half RoPE of base 10000, SwiGLU, RMSNorm, as megatron's
   GPTModel): it loads in transformers with no remote code.
-- ``model_args`` reads a recipe (``ModelArgs``) back from either config; what a recipe cannot express is
-  an error naming the field.
+- ``model_args`` reads a recipe (``ModelArgs``) back from either config, ``router_args`` the router's architecture
+  (the run's ``router.hidden``, ...); what a recipe cannot express is an error naming the field.
 
 Metadata ``oryx`` (both configs): the format version, the family, the recipe fields a Hugging Face config
 has no place for (the tokenizer's vocab, the padding multiple, transformer_impl), and the run's config
@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from oryx_megatron.config import FAMILY_MIXERS, MIXER_FIELDS, ModelArgs
 from oryx_megatron.data.modes import build_mode_schedule
-from oryx_megatron.hf.configuration import FORMAT_VERSION, OryxHFConfig, hf_name
+from oryx_megatron.hf.configuration import FORMAT_VERSION, ROUTER_NAMES, OryxHFConfig, hf_name
 from oryx_megatron.hf.layout import LLAMA_RULES, oryx_rules, to_hf, to_megatron
 from oryx_megatron.hf.modeling import OryxForCausalLM
 from oryx_megatron.models.builder import padded_vocab_size, transformer_config
@@ -43,8 +43,10 @@ def hf_config(args: ModelArgs, run: Optional[TrainConfig] = None, eod_id: Option
               iteration: Optional[int] = None, heldout: Optional[Dict[str, float]] = None):
     """The Hugging Face config of a recipe (an ``OryxHFConfig``, or a ``LlamaConfig`` for the Transformer):
     ``eod_id`` is the tokenizer's EOD token (bos, eos and pad; with ``run.data.reset_at_eod`` also where the
-    states restart); ``run``, ``iteration``, ``heldout`` (held-out loss per schedule) become metadata."""
-    config = transformer_config(args)  # the recipe with every default filled in, as training builds it
+    states restart); the router is ``run.router``'s (without a run: the recipe's aliases); ``run``, ``iteration``,
+    ``heldout`` (held-out loss per schedule) become metadata."""
+    # the recipe with every default filled in, as training builds it
+    config = transformer_config(args, None if run is None else run.router)
     tokens = dict(bos_token_id=eod_id, eos_token_id=eod_id, pad_token_id=eod_id)
     common = dict(vocab_size=padded_vocab_size(args), hidden_size=config.hidden_size,
                   intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
@@ -61,8 +63,9 @@ def hf_config(args: ModelArgs, run: Optional[TrainConfig] = None, eod_id: Option
     if reset and eod_id is None:
         raise ConversionError("data.reset_at_eod is true but no EOD token is known: the tokenizer is needed")
     mixer = {hf_name(name): value for name, value in config.mixer_fields().items()}
+    router = {name: getattr(config.router, key) for key, name in ROUTER_NAMES.items()}
     return OryxHFConfig(
-        **{**common, **mixer}, default_mode="attention" if config.has_attention else "linear",
+        **{**common, **mixer, **router}, default_mode="attention" if config.has_attention else "linear",
         reset_at_eod_token_id=eod_id if reset else None,
         training_mode_schedule=None if run is None else _schedule_text(run.data.mode_schedule), oryx=metadata)
 
@@ -115,6 +118,12 @@ def model_args(config) -> ModelArgs:
             f"(model.vocab_size={args.vocab_size}, make_vocab_size_divisible_by={args.make_vocab_size_divisible_by} "
             f"in oryx.model): the embedding was resized after export")
     return args
+
+
+def router_args(config) -> Dict[str, Optional[int]]:
+    """The router's architecture in a Hugging Face config, as the run's ``router`` keys (hidden, chunk_size, layers;
+    none in a ``LlamaConfig``)."""
+    return {} if config.model_type == LLAMA else {key: getattr(config, name) for key, name in ROUTER_NAMES.items()}
 
 
 def _require(config, field: str, value) -> None:

@@ -27,7 +27,7 @@ from oryx_megatron.checkpoint import LATEST, load_sharded
 from oryx_megatron.compat.cpu import cuda_to_cpu
 from oryx_megatron.config import ModelArgs
 from oryx_megatron.hf.configuration import MODEL_TYPE, OryxHFConfig
-from oryx_megatron.interop.hf_convert import LLAMA, ConversionError, hf_to_megatron, model_args
+from oryx_megatron.interop.hf_convert import LLAMA, ConversionError, hf_to_megatron, model_args, router_args
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import current_device, destroy_parallel, initialize_parallel
 from oryx_megatron.run_config import TrainConfig, load_train_config
@@ -89,13 +89,14 @@ def _check_tokenizer(hf_dir: Path, config) -> None:
 
 
 def import_run(config, args: ModelArgs, checkpoint_dir: Path, tp: int, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The run of the checkpoint: the folder's ``oryx.run`` (or the schema's defaults), its model ``args``,
+    """The run of the checkpoint: the folder's ``oryx.run`` (or the schema's defaults), its model ``args`` and router,
     ``tp``, ``checkpoint.dir``, then ``overrides`` (``KEY=VALUE``, as oryx-train's); validated as oryx-train
     validates (ConfigError naming the key)."""
     stored = dict(getattr(config, "oryx", {}).get("run", {}))
     tree = OmegaConf.merge(
         OmegaConf.create(stored),
-        {"model": asdict(args), "parallel": {"tensor_model_parallel_size": tp, "context_parallel_size": 1},
+        {"model": asdict(args), "router": router_args(config),
+         "parallel": {"tensor_model_parallel_size": tp, "context_parallel_size": 1},
          "checkpoint": {"dir": str(checkpoint_dir)}},
         OmegaConf.from_dotlist(list(overrides)),
     )
@@ -136,7 +137,8 @@ def write_model_checkpoint(run: TrainConfig, state: Dict[str, torch.Tensor], pat
     in the run's parameter dtype (the SSM scalars in fp32)."""
     initialize_parallel(seed=run.train.seed)
     dtype = torch.bfloat16 if run.train.bf16 else torch.float32
-    model = build_model(run.model, transformer_config(run.model, params_dtype=dtype, perform_initialization=False))
+    model = build_model(run.model, transformer_config(run.model, run.router, params_dtype=dtype,
+                                                      perform_initialization=False))
     target = model.state_dict()
     wanted = {k for k in target if not k.endswith("_extra_state")}
     if set(state) != wanted:

@@ -1,12 +1,13 @@
 """Megatron's model config: ``OryxConfig`` is TransformerConfig plus the Oryx mixer's fields, which
-``oryx_megatron.config.MixerConfig`` declares and checks (once, for every front end)."""
+``oryx_megatron.config.MixerConfig`` declares and checks (once, for every front end), and the model's router
+(``oryx_megatron.config.RouterConfig``)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
-from oryx_megatron.config import MixerConfig
+from oryx_megatron.config import MixerConfig, RouterConfig
 from oryx_megatron.mixer import linear_mixer_class
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -19,6 +20,9 @@ class OryxConfig(TransformerConfig, MixerConfig):
 
     transformer_impl: str = "local"
     """Layer-spec backend: 'local' (megatron tensor_parallel + SDPA) or 'transformer_engine'."""
+
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """The model's chunk router (``router.hidden`` None: none); its architecture is what the model reads."""
 
     def __post_init__(self):
         TransformerConfig.__post_init__(self)

@@ -1,14 +1,13 @@
 """The Oryx multi-mixer: causal softmax attention and a linear recurrent mixer (Gated DeltaNet, Mamba-2, ...:
 ``mixer/linear``) sharing keys, values, output gate and output projection. Written once, in plain torch: the
-megatron layer (layers/multi_mixer.py) and the Hugging Face model (hf/modeling.py) hold its parameters and
-call it.
+megatron layer (layers/multi_mixer.py) and the Hugging Face model (hf/modeling.py) build it from their parts.
 
 Per token t and head h (design card, section 2):
 
     shared     k_t = act(conv_k(W_K x))_t     v_t = act(conv_v(W_V x))_t     g_t = W_G x_t
     attention  o_t = softmax-attention(rope(W_QA x_t), rope(k_{<=t}), v_{<=t})
     gdn        S_t = (I - b_t k_t k_t^T) exp(a_t) S_{t-1} + b_t k_t v_t^T,  o_t = S_t^T q_t / sqrt(d_k)
-               (q, k L2-normalised; q_t = act(conv_q(W_QL x))_t)
+               (q, k L2-normalised; q_t = act(conv_q_lin(W_QL x))_t)
     mamba2     S_t = exp(A dt_t) S_{t-1} + dt_t k_t v_t^T,                 o_t = S_t^T q_t + D v_t
     output     out_t = W_O( RMSNorm_per_head(o_t of the token's mode) * silu(g_t) )
 
@@ -16,8 +15,10 @@ With ``shared_query`` (ablation A1) attention reads with the linear query q_t in
 ``kv_gate`` the shared k_t and v_t are also multiplied by gate(W_KG x_t), gate(W_VG x_t).
 
 Both memories (KV cache and recurrent state) absorb every token whatever its mode; the forward's
-``MixerContext`` says which mixer each token reads, and only what is read is computed: attention over the
-query blocks that hold a reader, the linear scan when a token reads it or its state is kept.
+``MixerContext`` says which mixer each token reads, and the parallel forward computes only what is read: attention
+over the query blocks that hold a reader (the spec's core attention may compute it densely: TE's does), the linear
+scan when a token reads it or its state is kept. A one-token decode step with per-token modes computes both
+(each sequence selects its own, without a host sync).
 
 All streams come from one head-major projection ``in_proj`` (``MixerLayout``), so tensor parallelism splits
 heads: a column-parallel ``in_proj`` hands each rank whole heads, the convs, norm weight and the linear mixer's

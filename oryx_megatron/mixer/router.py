@@ -7,7 +7,7 @@ read minus the linear read, and the linear read, each normed and gated as the la
     f_c     = [y_attn - y_lin, y_lin](t = c * chunk)          [h, 2, d_v], layer 1
     logit_c = w2 . gelu(W1 f_c + b1) + b2
 
-With ``router_layers`` L > 1 it reads the same two reads in each of the first L layers of an all-linear
+With ``router.layers`` L > 1 it reads the same two reads in each of the first L layers of an all-linear
 pass, f_c [h, L, 2, d_v] (``route``): a deeper layer's reads depend on the layers below, and those
 are read all-linear, whatever modes are chosen, so the logits still come before any mode.
 
@@ -24,7 +24,7 @@ Tensor parallelism: f is split with its heads, so a megatron front end makes W1 
 (layers/router.py).
 
 The routing pass is written here once, for both front ends (``route``, ``route_step``, ``advance_routing``,
-``allocate_router_cache``): each hands it its first ``router_layers`` layers, each one a module called as
+``allocate_router_cache``): each hands it its first ``router.layers`` layers, each one a module called as
 ``layer(hidden, context, cache)`` with an ``input_layernorm`` and a ``mixer`` (an ``OryxMixer``), its router, and
 the embedded tokens in its own layout.
 """
@@ -36,29 +36,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from oryx_megatron.config import MixerConfig, Mode
+from oryx_megatron.config import MixerConfig, Mode, RouterConfig
 from oryx_megatron.mixer.context import MixerContext, RouterReadouts
 from oryx_megatron.mixer.state import MixerCache
 
 
 # p(attention) from which a chunk reads attention of the router's own accord: the floor of a budget's threshold
-# (inference/routing.py) and the share a joint router's price holds to its budget (training/steps.py)
+# (inference/routing.py) and the share a joint router's price holds to its budget (training/joint_routing.py)
 ROUTER_THRESHOLD = 0.5
 
 
-def router_features(config: MixerConfig) -> int:
-    """The router's inputs per chunk: per head and routed layer, the two reads (d_v each)."""
-    return config.num_attention_heads * config.router_layers * 2 * config.value_head_dim
+def router_features(config: MixerConfig, layers: int) -> int:
+    """The router's inputs per chunk: per head and routed layer (``layers`` of them), the two reads (d_v each)."""
+    return config.num_attention_heads * layers * 2 * config.value_head_dim
 
 
 class ChunkRouter(nn.Module):
     """features [b, n, h, layers, 2, d_v] (or [b, n, h, 2, d_v] of one layer) -> logits [b, n] (chunks
-    0..n-1); ``fc1``: W1 (default a plain nn.Linear); ``dtype``: of the parameters (None: torch's default)."""
+    0..n-1), the router of ``config``'s mixers that ``router`` describes (its hidden width and layers); ``fc1``: W1
+    (default a plain nn.Linear); ``dtype``: of the parameters (None: torch's default)."""
 
-    def __init__(self, config: MixerConfig, dtype: Optional[torch.dtype] = None, fc1: Optional[nn.Module] = None):
+    def __init__(self, config: MixerConfig, router: RouterConfig, dtype: Optional[torch.dtype] = None,
+                 fc1: Optional[nn.Module] = None):
         super().__init__()
-        hidden = config.router_hidden
-        features = router_features(config)
+        hidden = router.hidden
+        features = router_features(config, router.layers)
         self.fc1 = nn.Linear(features, hidden, dtype=dtype) if fc1 is None else fc1
         self.fc2 = nn.Linear(hidden, 1, dtype=dtype)
         with torch.no_grad():  # every chunk starts at p = 0.5
@@ -87,7 +89,7 @@ class ChunkRouter(nn.Module):
 def route(layers: Sequence[nn.Module], router: nn.Module, hidden: Tensor, chunk_size: int,
           document_ids: Optional[Tensor] = None, router_cache: Optional[List[MixerCache]] = None) -> Tensor:
     """The router's logits [b, ceil(s / chunk_size)] that chunk c (starting at c * chunk_size) reads attention, from
-    the reads of each chunk's first token in ``layers`` (the first ``router_layers``) of an all-linear pass over
+    the reads of each chunk's first token in ``layers`` (the first ``router.layers``) of an all-linear pass over
     ``hidden`` (the embedded tokens): the first layer's, known before any mode is chosen, and each later one's from
     the layers below read all-linear. ``router_cache`` (``allocate_router_cache``, empty): the pass is a prefill, its
     states left there for ``route_step``."""

@@ -1,4 +1,4 @@
-"""Model recipes (the ``model`` config group under oryx_megatron/recipes/) -> megatron configs and models.
+"""Model recipes (the ``model`` config group under recipes/) -> megatron configs and models.
 
 Families: ``oryx_tg`` (attention + Gated DeltaNet), ``oryx_tm`` (attention + Mamba-2),
 the single-mixer baselines ``gdn`` and ``mamba2`` (the same layer with one mixer), and
@@ -18,7 +18,8 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from oryx_megatron.config import ModelArgs
+from oryx_megatron.config import ModelArgs, RouterConfig
+from oryx_megatron.config.router import model_router
 from oryx_megatron.layers.config import (
     OryxConfig,
     cpu_friendly_defaults,
@@ -31,9 +32,10 @@ from oryx_megatron.models.specs import get_oryx_layer_spec
 from oryx_megatron.models.transformer import LayerSeededTransformerLayer, TransformerBaseline
 
 
-def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
+def transformer_config(args: ModelArgs, router: Optional[RouterConfig] = None, **parallel) -> TransformerConfig:
     """An OryxConfig (or a TransformerConfig for ``transformer``) from a recipe: every MixerConfig field of the
-    recipe, the model's shape, the SwiGLU layer's defaults.
+    recipe, the model's shape, the SwiGLU layer's defaults, and its router: ``router`` (a run's ``router`` group;
+    None: the recipe's aliases, ``config.router.model_router``).
 
     ``parallel`` holds TransformerConfig fields set by the run, not the recipe:
     tensor_model_parallel_size, sequence_parallel, pipeline_model_parallel_size,
@@ -52,9 +54,10 @@ def transformer_config(args: ModelArgs, **parallel) -> TransformerConfig:
     if not torch.cuda.is_available():
         common.update(cpu_friendly_defaults())
     common.update(parallel)
+    router = model_router(args, router)
     if args.is_transformer:
         return TransformerConfig(**common)
-    return OryxConfig(**{**args.mixer_fields(), **common}, transformer_impl=args.transformer_impl)
+    return OryxConfig(**{**args.mixer_fields(), **common}, router=router, transformer_impl=args.transformer_impl)
 
 
 def padded_vocab_size(args: ModelArgs, tensor_model_parallel_size: int = 1) -> int:

@@ -29,6 +29,8 @@ import dataclasses
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+from oryx_megatron.layers.hidden_projection import HiddenProjection
+
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
@@ -77,6 +79,8 @@ def matmul_params(model: torch.nn.Module) -> int:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, torch.nn.Linear)):
             weight = module.weight if module.weight is not None else model.shared_embedding_or_output_weight()
             total += weight.numel()
+        elif isinstance(module, HiddenProjection) and module.tp_group.rank() == 0:  # replicated: once per replica
+            total += module.weight.numel()
     return total
 
 

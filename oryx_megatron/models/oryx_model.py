@@ -142,7 +142,7 @@ class OryxModel(LanguageModule):
                 skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
                 tp_group=self.tp_group,
             )
-        self.router = ParallelChunkRouter(config) if pre_process and config.router_hidden else None
+        self.router = ParallelChunkRouter(config) if pre_process and config.router.hidden else None
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -180,7 +180,7 @@ class OryxModel(LanguageModule):
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
 
-    # ---- the routing pass (mixer/router.py), over this stage's first router_layers layers ----
+    # ---- the routing pass (mixer/router.py), over this stage's first router.layers layers ----
     def route(self, input_ids: Tensor, chunk_size: int, document_ids: Optional[Tensor] = None,
               router_cache: Optional[List[MixerCache]] = None) -> Tensor:
         """The router's logits [b, ceil(s / chunk_size)] (``mixer.router.route``)."""
@@ -204,10 +204,10 @@ class OryxModel(LanguageModule):
 
     def _routed_layers(self):
         if self.router is None:
-            raise ValueError("this model has no router (model.router_hidden is null)")
-        layers = self.decoder.layers[: self.config.router_layers]
-        if len(layers) < self.config.router_layers:
-            raise ValueError(f"router_layers={self.config.router_layers}: this pipeline stage holds "
+            raise ValueError("this model has no router (router.hidden is null)")
+        layers = self.decoder.layers[: self.config.router.layers]
+        if len(layers) < self.config.router.layers:
+            raise ValueError(f"router.layers={self.config.router.layers}: this pipeline stage holds "
                              f"{len(self.decoder.layers)} layers; the router reads its first stage only")
         return layers
 

@@ -35,7 +35,7 @@ COMPONENTS = ("embedding", "router", "mixer", "mlp", "norm", "output_layer")
 
 
 def load_model_args(overrides: List[str]) -> ModelArgs:
-    """Compose oryx_megatron/recipes/oryx_params.yaml with Hydra overrides, checked against ModelArgs."""
+    """Compose recipes/oryx_params.yaml with Hydra overrides, checked against ModelArgs."""
     with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
         cfg = compose("oryx_params", overrides=overrides)
     schema = OmegaConf.structured(ModelArgs)

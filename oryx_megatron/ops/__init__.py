@@ -7,19 +7,20 @@ Layout everywhere: [batch, seq, heads, dim]; recurrent states [batch, heads, d_k
     o, state = kernels.chunk_gated_delta_rule(q, k, v, g, beta)
     kernels.names                      # {"chunk_gated_delta_rule": "fla", ...}
 
-A CUDA kernel is chosen only where it may run and computes what the torch op does
-(``selection``: known version/architecture conditions, then a one-time check on the GPU).
+Each op is declared once (``registry.KernelOp``: its torch op, its CUDA kernel, when that kernel may run, the
+inputs of its check; the project's own in ``builtin``); a mixer's module declares its own with
+``register_op``. A CUDA kernel is chosen only where it may run and computes what the torch op does
+(``selection``: the op's version/architecture conditions, then a one-time check on the GPU, ``probe``).
 """
 
 import functools
 import logging
 import os
-from dataclasses import dataclass, fields
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from . import cuda, probe as probing, selection
+from . import builtin, cuda, probe as probing, selection  # noqa: F401  (builtin: registers the project's own ops)
 from .attention import (
     BlockReads,
     attention_at,
@@ -31,6 +32,7 @@ from .conv import causal_conv1d, causal_conv1d_step
 from .documents import Documents
 from .gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
 from .norm import gated_rms_norm, kv_gate, upcast
+from .registry import OPS, KernelOp, cuda_ops, register_op
 from .rotary import apply_rotary, rotary_cos_sin, rotary_table
 from .ssd import ssd_chunk_scan, ssd_step
 
@@ -38,34 +40,37 @@ BACKENDS = ("auto", "torch", "cuda")
 BACKEND_ENV_VAR = "ORYX_KERNEL_BACKEND"
 
 
-@dataclass(frozen=True)
 class Kernels:
-    """One implementation per op, and `names`: op -> implementation name."""
+    """One implementation per registered op, as its attribute (``kernels.ssd_step(...)``), and ``names``:
+    op -> implementation name. Read-only."""
 
-    causal_conv1d: Callable
-    causal_conv1d_step: Callable
-    chunk_gated_delta_rule: Callable
-    gated_delta_rule_step: Callable
-    ssd_chunk_scan: Callable
-    ssd_step: Callable
-    causal_attention: Callable
-    block_sparse_causal_attention: Callable
-    gated_rms_norm: Callable
-    names: Dict[str, str]
+    def __init__(self, implementations: Dict[str, Callable], names: Dict[str, str]):
+        self.__dict__.update(implementations, names=names)
+
+    def __getattr__(self, op: str):  # only for names that are not attributes: an op nobody registered
+        names = self.__dict__.get("names")
+        if names is None or op.startswith("_"):  # copying and pickling look for hooks on an empty instance
+            raise AttributeError(op)
+        raise AttributeError(f"no kernel op {op!r}: the registered ops are {', '.join(names)} "
+                             f"(declare one with oryx_megatron.ops.register_op)")
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"Kernels is read-only: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Kernels is read-only: cannot delete {name!r}")
 
 
 logger = logging.getLogger(__name__)
 
-OPS = tuple(f.name for f in fields(Kernels) if f.name != "names")
-TORCH_OPS = {op: globals()[op] for op in OPS}
-
 
 def get_kernels(backend: str = "auto", env: Optional[selection.KernelEnvironment] = None,
                 probe: Optional[Callable[[str], Optional[str]]] = None) -> Kernels:
-    """Kernels of a backend: "torch" (pure PyTorch), "cuda" (the CUDA kernels; RuntimeError naming
-    what is missing or known broken), or "auto": the value of $ORYX_KERNEL_BACKEND when set, otherwise
-    per op the CUDA kernel where it may run (``selection.refusal``) and passes its one-time check
-    against the torch op (``probe``, on CUDA), else the torch op, with the reason logged.
+    """Kernels of every registered op (``registry.OPS``) for a backend: "torch" (pure PyTorch), "cuda" (the CUDA
+    kernels; RuntimeError naming each op whose kernel is missing, known broken or fails its check; an op that
+    declares none runs its torch op, logged on a CUDA machine), or "auto": the value of $ORYX_KERNEL_BACKEND when set, otherwise per op the CUDA kernel where it may
+    run (``selection.refusal``) and passes its one-time check against the torch op (``probe``, on CUDA), else
+    the torch op, with the reason logged.
 
     ``env`` (default: this machine) and ``probe`` (default: ``probe.probe`` on CUDA, which returns the
     verdicts a GPU session recorded where $ORYX_KERNEL_PROBES names them) are parameters so that the
@@ -77,26 +82,34 @@ def get_kernels(backend: str = "auto", env: Optional[selection.KernelEnvironment
         allowed = ", ".join(BACKENDS)
         raise ValueError(f"unknown kernel backend {backend!r} (from {source}); allowed: {allowed}")
     if backend == "torch":
-        return Kernels(**TORCH_OPS, names={op: "torch" for op in OPS})
-    return _select(backend, env or selection.KernelEnvironment.detect(), probe or _probe_on_cuda)
+        return Kernels({name: op.torch for name, op in OPS.items()}, {name: "torch" for name in OPS})
+    return _select(backend, env or selection.KernelEnvironment.detect(), probe or _probe_on_cuda, tuple(OPS.values()))
 
 
 @functools.lru_cache(maxsize=None)
-def _select(backend: str, env: selection.KernelEnvironment, probe) -> Kernels:
-    """Per op the CUDA kernel; where only its backward is refused (or fails its check), the kernel for
-    calls that need no gradient and the torch op for the others; else the torch op. Once per
-    process and environment, with the reason logged."""
+def _select(backend: str, env: selection.KernelEnvironment, probe, registered: Tuple[KernelOp, ...]) -> Kernels:
+    """Per op of ``registered`` (the registry's state: an op registered later is a new key) the CUDA kernel;
+    where only its backward is refused (or fails its check), the kernel for calls that need no gradient and the
+    torch op for the others; else the torch op. Once per process, environment and registry, with the reason
+    logged."""
     chosen, names, refused = {}, {}, {}  # op -> function; op -> implementation name; op -> (why not, backward only)
-    for op in OPS:
-        implementation = selection.IMPLEMENTATIONS[op][0]
+    for declared in registered:
+        op = declared.name
+        if declared.cuda is None:  # torch by its declaration: named and logged, not a refusal of backend 'cuda'
+            chosen[op], names[op] = declared.torch, "torch"
+            if env.cuda:
+                logger.warning("%s: the torch op runs: no CUDA kernel is declared for it (in %s)", op,
+                               declared.torch.__module__)
+            continue
         reason = selection.refusal(op, env) or probe(op)
         if reason is None:
-            chosen[op], names[op] = getattr(cuda, op), implementation
+            chosen[op], names[op] = declared.cuda, declared.implementation
         elif selection.refusal(op, env, backward=False) is None and probe(op, backward=False) is None:
-            chosen[op], names[op] = _without_grad(getattr(cuda, op), TORCH_OPS[op]), f"{implementation} without grad"
+            chosen[op] = _without_grad(declared.cuda, declared.torch)
+            names[op] = f"{declared.implementation} without grad"
             refused[op] = (reason, True)
         else:
-            chosen[op], names[op], refused[op] = TORCH_OPS[op], "torch", (reason, False)
+            chosen[op], names[op], refused[op] = declared.torch, "torch", (reason, False)
     if backend == "cuda" and refused:
         raise RuntimeError("kernel backend 'cuda' is unavailable here: " + "; ".join(
             f"{op}{' (backward)' if backward_only else ''}: {why}" for op, (why, backward_only) in refused.items()))
@@ -108,7 +121,7 @@ def _select(backend: str, env: selection.KernelEnvironment, probe) -> Kernels:
                            op, names[op], why)
         else:
             logger.warning("%s: the torch op runs instead of the CUDA kernel: %s", op, why)
-    return Kernels(**chosen, names=names)
+    return Kernels(chosen, names)
 
 
 def _without_grad(kernel: Callable, reference: Callable) -> Callable:
@@ -127,7 +140,7 @@ def _without_grad(kernel: Callable, reference: Callable) -> Callable:
 def _probe_on_cuda(op: str, backward: bool = True) -> Optional[str]:
     if not torch.cuda.is_available():
         return None
-    return probing.probe(op, getattr(cuda, op), TORCH_OPS[op], backward=backward)
+    return probing.probe(op, OPS[op].cuda, OPS[op].torch, backward=backward)
 
 
 __all__ = [
@@ -136,7 +149,11 @@ __all__ = [
     "BlockReads",
     "Documents",
     "Kernels",
+    "KernelOp",
+    "OPS",
+    "cuda_ops",
     "get_kernels",
+    "register_op",
     "causal_conv1d",
     "causal_conv1d_step",
     "chunk_gated_delta_rule",

@@ -39,9 +39,14 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 def reset_at_document_starts(log_decay: torch.Tensor, documents) -> torch.Tensor:
-    """Log-decays [b, s, h] with -inf at each document start of ``documents`` (``Documents``): the state
+    """Log-decays with -inf at each document start of ``documents`` (``Documents``, ids [b, s]): the state
     entering the document decays to exactly zero (exp(-inf) = 0), so no term crosses a boundary, in the
-    chunked forms as in the recurrence. ``documents`` None: unchanged."""
+    chunked forms as in the recurrence. ``documents`` None: unchanged.
+
+    ``log_decay``: [b, s, h], a scalar decay per head (the gated delta rule's g, SSD's dt A), or [b, s, h, d_k],
+    a decay per key dimension (GLA's gate: the state's row i decays by exp(log_decay[..., i])); any trailing
+    dimensions after [b, s] take the token's reset."""
     if documents is None:
         return log_decay
-    return log_decay.masked_fill(document_starts(documents.ids)[..., None], -torch.inf)
+    starts = document_starts(documents.ids)  # [b, s]
+    return log_decay.masked_fill(starts.view(*starts.shape, *(1,) * (log_decay.dim() - 2)), -torch.inf)

@@ -2,10 +2,10 @@
 verdicts a GPU session recorded instead (``$ORYX_KERNEL_PROBES``).
 
 A kernel is called as the layers call it (activations bf16; gates, decays, A, D and recurrent states
-fp32) on valid values (L2-normalised GDN keys, log decays <= 0, beta in (0, 1), dt > 0, A < 0) and
-compared with the torch op in fp64 on the same values: outputs, states and, for the sequence ops, the
-gradients of a random projection of them w.r.t. every input. This is the runtime's own check; the GPU
-check (``oryx_megatron.checks``) runs the same comparison at its sizes and cases.
+fp32) on valid values (its ``KernelOp.probe_inputs``: L2-normalised GDN keys, log decays <= 0, beta in
+(0, 1), dt > 0, A < 0, ..) and compared with the torch op in fp64 on the same values: outputs, states and,
+for the ops with a backward, the gradients of a random projection of them w.r.t. every input. This is the
+runtime's own check; the GPU check (``oryx_megatron.checks``) runs the same comparison at its sizes and cases.
 """
 
 import functools
@@ -17,84 +17,29 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .attention import BlockReads
-from .cuda import FLEX_BLOCK_SIZE
+from .registry import OPS, Values
 
 ACT, GATE = torch.bfloat16, torch.float32  # activations bf16; gates and recurrent states fp32, as the layers pass them
-CONV_WIDTH = 4
-SEQUENCE_OPS = ("causal_conv1d", "chunk_gated_delta_rule", "ssd_chunk_scan", "causal_attention",
-                "block_sparse_causal_attention", "gated_rms_norm")  # with a backward; the step ops have none
-OUTPUT_NAMES = {
-    "causal_conv1d": ("y", "final_state"),
-    "causal_conv1d_step": ("y", "new_state"),
-    "chunk_gated_delta_rule": ("o", "final_state"),
-    "gated_delta_rule_step": ("o", "new_state"),
-    "ssd_chunk_scan": ("y", "final_state"),
-    "ssd_step": ("y", "new_state"),
-    "causal_attention": ("o",),
-    "block_sparse_causal_attention": ("o",),
-    "gated_rms_norm": ("o",),
-}
 PROBE_SHAPE = (1, 256, 2, 64)  # b, s, h, d: two blocks of FlexAttention, four chunks of the scans
 # The relative error (rel_err) a kernel may have at PROBE_SHAPE. Measured there (docs/gpu.md, "The probe's
 # tolerance"): the torch ops themselves on the bf16 inputs, the floor of bf16 rounding, <= 7.8e-3 (the
 # attention ops' dk; outputs <= 6.6e-3, fp32 states <= 1.1e-7); fla's and mamba-ssm's Triton kernels under
-# Triton's interpreter <= 5.3e-3 but for fla's dg (below); an H200 at the GPU check's 16x larger size 1.5e-3
-# to 7e-3 (fla, mamba-ssm). The torch ops with one output or one input's gradient 2% off err by 1.58e-2 (GDN
-# dq: a bf16 gradient rounded twice) to 2.7e-2. 1.2e-2 is 1.5x the worst good error, 1.3x under the least
-# 2%-off one.
+# Triton's interpreter <= 5.3e-3 but for fla's dg (its KernelOp.tolerance); an H200 at the GPU check's 16x
+# larger size 1.5e-3 to 7e-3 (fla, mamba-ssm). The torch ops with one output or one input's gradient 2% off err
+# by 1.58e-2 (GDN dq: a bf16 gradient rounded twice) to 2.7e-2. 1.2e-2 is 1.5x the worst good error, 1.3x under
+# the least 2%-off one.
 PROBE_TOLERANCE = 1.2e-2
-# fla's chunk GDN keeps its chunk states in bf16: dg at the last token (the final state's gradient enters
-# there as a sum of 64 x 64 bf16 products) errs by 1.52e-2 under the interpreter; the torch op with dg 2%
-# off errs by 1.99e-2. One tolerance for all would have to lie between 1.52e-2 and the dq mutant's 1.58e-2.
-PROBE_TOLERANCE_BY_OUTPUT = {"chunk_gated_delta_rule": {"dg": 1.8e-2}}
 PROBES_ENV_VAR = "ORYX_KERNEL_PROBES"  # a JSON file of verdicts: {"verdicts": {op: {"forward": .., "backward": ..,
 #                                       "tolerance": tolerance(op), "errors": {direction: {name: error}}}}}
 
-Values = Dict[str, object]  # argument name -> (fp64 tensor, the dtype the kernel gets), or a plain value
-
 
 def kernel_inputs(op: str, shape: Tuple[int, int, int, int], with_state: bool, gen: torch.Generator) -> Values:
-    """Keyword arguments of one call of ``op`` at ``shape`` (b, s, h, d): name -> (fp64 values, the dtype
-    the kernel gets). Step ops take one token (no sequence axis) and always a state; the query blocks of
-    block_sparse_causal_attention (FLEX_BLOCK_SIZE) read attention every other block."""
-    b, s, h, d = shape
-    step = op not in SEQUENCE_OPS
-    seq = () if step else (s,)
-
-    def rand(*size):
-        return torch.randn(*size, generator=gen, dtype=torch.float64)
-
-    if op.startswith("causal_conv1d"):
-        c = h * d
-        args = {"x": (rand(b, *seq, c), ACT), "weight": (rand(c, CONV_WIDTH) / 2, ACT), "bias": (rand(c), ACT)}
-        state = (rand(b, c, CONV_WIDTH - 1), ACT)  # [b, c, w - 1], the previous inputs
-    elif op in ("chunk_gated_delta_rule", "gated_delta_rule_step"):
-        args = {name: (F.normalize(rand(b, *seq, h, d), dim=-1), ACT) for name in ("q", "k")}  # [b, (s,) h, d_k]
-        args.update(v=(rand(b, *seq, h, d), ACT),  # [b, (s,) h, d_v]
-                    g=(F.logsigmoid(rand(b, *seq, h)), GATE), beta=(rand(b, *seq, h).sigmoid(), GATE))  # [b, (s,) h]
-        state = (rand(b, h, d, d), GATE)  # [b, h, d_k, d_v]
-    elif op in ("ssd_chunk_scan", "ssd_step"):
-        args = {"x": (rand(b, *seq, h, d), ACT),  # [b, (s,) h, p]
-                "dt": (F.softplus(rand(b, *seq, h) - 2), GATE),  # [b, (s,) h], > 0
-                "A": (-(rand(h) / 2).exp(), GATE),  # [h], < 0
-                "B": (rand(b, *seq, h, d), ACT), "C": (rand(b, *seq, h, d), ACT),  # [b, (s,) h, n]
-                "D": (rand(h), GATE)}  # [h], a parameter the model keeps in fp32
-        state = (rand(b, h, d, d) / 4, GATE)  # [b, h, n, p]
-    elif op == "gated_rms_norm":
-        return {"y": (rand(b, s, h, d), ACT), "gate": (rand(b, s, h, d), ACT),  # [b, s, h, d_v]
-                "weight": (1 + rand(h * d) / 10, ACT)}  # [h * d_v], a parameter of the model
-    else:  # causal_attention, block_sparse_causal_attention
-        args = {name: (rand(b, s, h, d), ACT) for name in ("q", "k", "v")}  # [b, s, h, d]
-        if op == "block_sparse_causal_attention":
-            read = (torch.arange(s) // FLEX_BLOCK_SIZE % 2 == 0).expand(b, s).clone()  # [b, s]
-            args.update(reads=BlockReads(read, FLEX_BLOCK_SIZE))
-        return args
-    if with_state or step:
-        args["state" if step else "initial_state"] = state
-    return args
+    """Keyword arguments of one call of ``op`` at ``shape`` (b, s, h, d), from its ``KernelOp.probe_inputs``:
+    name -> (fp64 values, the dtype the kernel gets), or a plain value. Step ops take one token (no sequence
+    axis) and always a state."""
+    return OPS[op].probe_inputs(shape, with_state, gen)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -114,7 +59,7 @@ class KernelCall:
 
     def run(self):
         if self._run is None:
-            grad = self.op in SEQUENCE_OPS
+            grad = OPS[self.op].backward
             inputs = {n: _on(value, self.device, grad) for n, value in self.values.items()}
             ref_inputs = {n: _on((t, torch.float64), self.device, grad) if _differentiable(t) else t
                           for n, t in inputs.items()}  # same values
@@ -124,7 +69,7 @@ class KernelCall:
 
     def forward_errors(self) -> Dict[str, float]:
         _, _, got, want = self.run()
-        return {name: rel_err(x, ref) for name, x, ref in zip(OUTPUT_NAMES[self.op], got, want)}
+        return {name: rel_err(x, ref) for name, x, ref in zip(OPS[self.op].outputs, got, want)}
 
     def backward_errors(self) -> Dict[str, float]:
         """Gradients of sum(w * output) over outputs and states, w random, w.r.t. every input."""
@@ -157,18 +102,18 @@ def _grads(outputs, weights, leaves: Dict[str, torch.Tensor]) -> Dict[str, Optio
 
 
 def tolerance(op: str) -> Dict[str, float]:
-    """The relative error the probe allows ``op``: by error name ("o", "dq", ..) where
-    PROBE_TOLERANCE_BY_OUTPUT names one, "*" for every other."""
-    return {"*": PROBE_TOLERANCE, **PROBE_TOLERANCE_BY_OUTPUT.get(op, {})}
+    """The relative error the probe allows ``op``: by error name ("o", "dq", ..) where its
+    ``KernelOp.tolerance`` names one, "*" for every other."""
+    return {"*": PROBE_TOLERANCE, **OPS[op].tolerance}
 
 
 def probe_errors(op: str, kernel: Callable, reference: Callable, device, backward: bool) -> Dict[str, float]:
     """Relative errors of ``kernel`` against ``reference`` at PROBE_SHAPE with an initial state: every
-    output and state, and (``backward``, for the sequence ops) every input gradient."""
+    output and state, and (``backward``, for the ops with one) every input gradient."""
     gen = torch.Generator().manual_seed(zlib.crc32(op.encode()))
     call = KernelCall(op, kernel_inputs(op, PROBE_SHAPE, True, gen), device, kernel, reference)
     errors = call.forward_errors()
-    if backward and op in SEQUENCE_OPS:
+    if backward and OPS[op].backward:
         errors.update(call.backward_errors())
     return errors
 
@@ -209,7 +154,7 @@ def probe(op: str, kernel: Callable, reference: Callable, device="cuda", backwar
 
 def recorded_verdicts() -> Dict[str, dict]:
     """op -> {"forward": reason or None, "backward": reason or None, "tolerance", "errors"} from the file
-    ``$ORYX_KERNEL_PROBES`` names ({} when unset), the verdicts recorded under ``tolerance(op)`` only:
+    ``$ORYX_KERNEL_PROBES`` names ({} when unset), those of registered ops recorded under ``tolerance(op)`` only:
     one under another tolerance (none: a file from before tolerances were recorded) is probed again.
     A file that cannot be read is an error, never a reason to probe again."""
     path = os.environ.get(PROBES_ENV_VAR)
@@ -217,7 +162,7 @@ def recorded_verdicts() -> Dict[str, dict]:
         return {}
     try:
         verdicts = json.loads(Path(path).read_text())["verdicts"]
-        return {op: found for op, found in verdicts.items() if found.get("tolerance") == tolerance(op)}
+        return {op: found for op, found in verdicts.items() if op in OPS and found.get("tolerance") == tolerance(op)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"${PROBES_ENV_VAR}={path}: not a file of kernel probe verdicts "
                          f"({type(e).__name__}: {e})") from None

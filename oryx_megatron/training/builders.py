@@ -46,7 +46,7 @@ def model_config(run: TrainConfig):
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif t.recompute_granularity == "selective":  # the mixing between the projections (MultiMixer)
         fields.update(recompute_granularity="selective")
-    return transformer_config(run.model, **fields)
+    return transformer_config(run.model, run.router, **fields)
 
 
 def build_model_chunks(run: TrainConfig, config, device: torch.device) -> List[DistributedDataParallel]:

@@ -2,7 +2,8 @@
 
 The run, top to bottom (``Trainer``): parallel state -> model chunks in megatron DDP ->
 optimizer and LR schedule -> data -> resume from `latest` -> loop [train step, log, eval,
-save, preemption] -> final save, eval and loss-curve PNG. One step's pieces are in ``steps``.
+save, preemption] -> final save, eval and loss-curve PNG. One step's pieces are in ``steps``;
+router=joint's draws, loss terms, price and metrics in ``joint_routing``.
 """
 
 import logging
@@ -32,6 +33,7 @@ from oryx_megatron.training.builders import (
     model_config,
 )
 from oryx_megatron.run_config import TrainConfig, train_iters
+from oryx_megatron.training.joint_routing import JointRouting
 from oryx_megatron.training.metrics import MetricsLogger, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
 from oryx_megatron.training.router import RouterTrainer, load_trained_weights
@@ -103,8 +105,8 @@ class Trainer:
         self.iteration, self.total_iters = 0, train_iters(run)
         num_params = sum(p.numel() for chunk in self.model for p in chunk.parameters())
         self.tokens_per_iter = run.train.global_batch_size * run.data.seq_length
-        # joint routing: [tokens drawn to attention, tokens] of the steps since the last log line (None: none yet)
-        self.routed_since_log: Optional[torch.Tensor] = None
+        # router=joint: the router's draws, loss terms, price and metrics (training/joint_routing.py)
+        self.routing = JointRouting(run.router, self.model[0].module.router) if run.router.mode == "joint" else None
         self.matmul_params = _total_params(sum(flops.matmul_params(chunk) for chunk in self.model))
         self.metrics = MetricsLogger(self.is_logging_rank, run.logging, Path(self.output_dir),
                                      OmegaConf.to_container(OmegaConf.structured(run)))
@@ -216,7 +218,7 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = forward_backward(self.run, self.model, self.loaders, forward_only=False)
+        reports = forward_backward(self.run, self.model, self.loaders, forward_only=False, routing=self.routing)
         loss_sums = sum_losses(reports)
         found_inf = self.optimizer.prepare_grads()  # only an fp16 loss scaler checks; bf16/fp32 do not
         grad_norm = self.optimizer.get_grad_norm()
@@ -226,23 +228,16 @@ class Trainer:
         clip_grads(self.optimizer, grad_norm)
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
-        if self.run.router.mode == "joint":  # the price of attention rises while the read share exceeds the budget
-            r, router = self.run.router, self.model[0].module.router
-            routed = torch.stack([report["routed_tokens"] for report in reports]).sum(0)  # [drawn, p >= 0.5, all]
-            dist.all_reduce(routed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            fraction = float(routed[1] / routed[2])  # what inference reads: the drawn share is ~mean p, not it
-            router.price.copy_((router.price + r.price_lr * (fraction - r.budget)).clamp_min(0))
-            self.routed_since_log = routed if self.routed_since_log is None else self.routed_since_log + routed
+        if self.routing is not None:  # the price of attention, from this step's routed tokens
+            self.routing.after_step(reports)
         return loss_sums, grad_norm
 
     def log(self, interval: "Interval") -> None:
         """Means over the steps since the last log line: losses, grad norm, LR, throughput, memory."""
         elapsed, world = interval.seconds_per_step(), dist.get_world_size()
         report = loss_metrics(interval.loss_sums, "train") if interval.grad_norms else {}  # all skipped: no loss
-        if self.routed_since_log is not None:  # joint routing, of every token: drawn (the FLOPs), p >= 0.5 (the price)
-            routed, self.routed_since_log = self.routed_since_log, None
-            report["router/attention_fraction"] = float(routed[0] / routed[2])
-            report["router/read_fraction"] = float(routed[1] / routed[2])
+        if self.routing is not None:  # router/attention_fraction (drawn: the FLOPs), read_fraction, price
+            report.update(self.routing.metrics())
         step_flops = flops.train_step_flops(flops.step_shape(  # the attention term: the fraction of tokens read
             self.config, self.matmul_params, self.run.data.seq_length, self.run.train.global_batch_size,
             read_fraction=report.get("router/attention_fraction", report.get("train/attention_fraction", 1.0))))
@@ -256,8 +251,6 @@ class Trainer:
             "perf/mfu": step_flops / elapsed / world / (self.run.logging.peak_tflops * 1e12),
             "perf/memory_gb": memory_gb(),
         })
-        if self.run.router.mode == "joint":
-            report["router/price"] = float(self.model[0].module.router.price)
         self.metrics.log(self.iteration, report)
 
     @torch.no_grad()

@@ -1,7 +1,7 @@
 """Post-hoc router training (``router=posthoc``): a trained Oryx model is frozen and only its chunk
 router (mixer/router.py) learns where reading attention pays.
 
-    oryx-train router=posthoc router.init_from=runs/demo/checkpoints model.router_hidden=64
+    oryx-train router=posthoc router.init_from=runs/demo/checkpoints router.hidden=64
 
 Per batch, top to bottom (``RouterTrainer.step``):
 
@@ -77,7 +77,7 @@ class RouterTrainer:
         self.run, self.output_dir = run, Path(output_dir)
         self.device = current_device()
         self.model = build_model(run.model, model_config(run)).to(self.device)
-        self.chunk = run.model.router_chunk_size
+        self.chunk = run.router.chunk_size
         self.iterations = train_iters(run)
         start = load_trained_weights(self.model, run.router.init_from)
         logger.info("router: fitting the router of %s (frozen); %d iterations", start, self.iterations)

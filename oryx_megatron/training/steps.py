@@ -11,27 +11,26 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from oryx_megatron.config import Mode
-from oryx_megatron.mixer.router import ROUTER_THRESHOLD
 from oryx_megatron.parallel import current_device, this_rank_tokens
 from oryx_megatron.run_config import TrainConfig
 
 logger = logging.getLogger("oryx_megatron.train")
 
 
-def forward_backward(run: TrainConfig, model, loaders, forward_only: bool) -> List[dict]:
+def forward_backward(run: TrainConfig, model, loaders, forward_only: bool, routing=None) -> List[dict]:
+    """The global batch through megatron's pipeline schedule; the micro-batches' loss reports. ``routing``: a
+    ``JointRouting`` (router=joint, training only: evaluation keeps its schedules), whose forward step draws the
+    modes; else the batches' modes are read."""
     t = run.train
     num_microbatches = t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
     iterators = loaders if len(loaders) > 1 else loaders[0]
-    joint = run.router.mode == "joint" and not forward_only  # evaluation keeps its schedules
-    routed = partial(_routed_forward_step, run.model.router_chunk_size, run.router.estimator)
     return get_forward_backward_func()(
-        forward_step_func=routed if joint else _forward_step,
+        forward_step_func=_forward_step if routing is None else routing.forward_step,
         data_iterator=iterators,
         model=model if len(model) > 1 else model[0],
         num_microbatches=num_microbatches,
@@ -53,52 +52,13 @@ def _forward_step(data_iterator, model):
     local = this_rank_tokens(tokens=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
                              modes=batch["modes"])
     output = model(local["tokens"], batch["modes"], labels=local["labels"], document_ids=batch.get("document_ids"))
-    return output, partial(_loss, local["loss_mask"], local["modes"])
+    return output, partial(loss_func, local["loss_mask"], local["modes"])
 
 
-def _routed_forward_step(chunk_size: int, estimator: str, data_iterator, model):
-    """router=joint: each chunk's mode drawn from the router, p = sigmoid(logit), a ~ Bernoulli(p), and
-    the loss adds the price of attention: price x each reading token's attention FLOPs (its position + 1,
-    relative to the mean), over every token (a task whose loss covers its answers only still pays for
-    attention on its context). The router's gradient (``estimator``):
-
-    - straight_through: the layers read with weights a + p - stop_gradient(p): in value the drawn modes,
-      in the backward the LM loss's derivative in the read's weight (attention read minus linear read);
-    - score_function: the layers read the drawn modes a; the router's gradient is that of
-      log P(a) x (each token's loss and price - the micro-batch's mean at its position), summed over the
-      chunk's tokens (REINFORCE with a baseline: the measured change, not its linear estimate).
-
-    The report counts the tokens with p >= 0.5 too: what inference reads, and what the price follows."""
-    batch = get_batch(data_iterator, current_device())
-    docs, s = batch.get("document_ids"), batch["tokens"].shape[1]
-    flops = torch.arange(1, s + 1, device=batch["tokens"].device, dtype=torch.float32) / ((s + 1) / 2)  # mean 1
-    local = this_rank_tokens(tokens=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
-                             flops=flops.expand_as(batch["tokens"]))
-    router = model.module.router
-    logits = model.module.route(local["tokens"], chunk_size, docs).float()  # [b, n]: every chunk's
-    p = torch.sigmoid(logits)
-    drawn = torch.bernoulli(p.detach())  # [b, n]
-    per_token = {"reads": p.detach() >= ROUTER_THRESHOLD}  # the modes inference reads
-    if estimator == "score_function":
-        per_token.update(weights=drawn, log_prob=torch.where(drawn > 0, F.logsigmoid(logits), F.logsigmoid(-logits)))
-    else:
-        per_token.update(weights=drawn + p - p.detach())
-    per_token = {k: v.repeat_interleave(chunk_size, dim=1)[:, :s] for k, v in per_token.items()}  # [b, s]
-    output = model(local["tokens"], labels=local["labels"], document_ids=docs, router_weights=per_token["weights"])
-    routed = this_rank_tokens(**per_token)
-    return output, partial(_loss, local["loss_mask"], routed["weights"], reads_at_inference=routed["reads"],
-                           attention_cost=router.price.float() * routed["weights"] * local["flops"],
-                           log_prob=routed.get("log_prob"))
-
-
-def _loss(loss_mask, modes, per_token_loss, attention_cost=None, reads_at_inference=None, log_prob=None):
-    """Token-summed loss and token count (megatron divides by the global count), plus the
-    sums over attention-mode tokens for per-mode logging. ``attention_cost`` [b, s] (router=joint):
-    added to the loss, summed over every token (the reported sums stay the LM loss's), and the report
-    adds ``routed_tokens``: [tokens reading attention (drawn), tokens with p >= 0.5
-    (``reads_at_inference`` [b, s], bool), tokens], every token counted. ``log_prob`` [b, s] (the
-    score-function estimator): log P(drawn mode) of each token's chunk; adds zero to the loss in value and
-    the gradient of sum(log_prob x (each token's loss and cost - the mean over the batch at its position))."""
+def loss_func(loss_mask, modes, per_token_loss):
+    """Token-summed loss and token count (megatron divides by the global count), plus the sums over
+    attention-mode tokens for per-mode logging. ``modes`` [b, s]: Mode values, or joint routing's read weights
+    (training/joint_routing.py, whose ``routed_loss_func`` adds the router's terms to this one)."""
     mask = loss_mask.float()
     losses = per_token_loss.float() * mask
     # joint routing's weights are a + p - p.detach(): 0/1 up to rounding (1 + p - p is not always 1)
@@ -106,16 +66,7 @@ def _loss(loss_mask, modes, per_token_loss, attention_cost=None, reads_at_infere
     attention = reads_attention.float() * mask
     total, count = losses.sum(), mask.sum()
     report = torch.stack([total, count, (losses * attention).sum(), attention.sum()]).detach()
-    if attention_cost is None:
-        return total, count.int(), {"loss_sums": report}
-    routed = torch.tensor([reads_attention.sum(), reads_at_inference.sum(), reads_attention.numel()],
-                          dtype=torch.float64, device=mask.device)
-    total = total + attention_cost.sum()
-    if log_prob is not None:
-        cost = (losses + attention_cost).detach()  # [b, s]
-        surrogate = (log_prob * (cost - cost.mean(0, keepdim=True))).sum()
-        total = total + surrogate - surrogate.detach()
-    return total, count.int(), {"loss_sums": report, "routed_tokens": routed}
+    return total, count.int(), {"loss_sums": report}
 
 
 class Interval:

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from oryx_megatron.data.prep.inputs import InputOptions
-from oryx_megatron.data.prep.pipeline import tokenize_corpus
-from oryx_megatron.data.prep.tokenizer import ByteTokenizer
+from oryx_megatron.data_prep.inputs import InputOptions
+from oryx_megatron.data_prep.pipeline import tokenize_corpus
+from oryx_megatron.data_prep.tokenizer import ByteTokenizer
 
 DOC_CHARS = 40
 LINE_BYTES = len(json.dumps({"text": "x" * DOC_CHARS})) + 1

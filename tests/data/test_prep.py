@@ -9,13 +9,13 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
-from oryx_megatron.data.prep import PrepError
 from oryx_megatron.cli.prep import main
-from oryx_megatron.data.prep.inputs import InputOptions, Piece, expand_inputs, iter_documents, plan_shards, stdlib_files
-from oryx_megatron.data.prep.pipeline import tokenize_corpus
-from oryx_megatron.data.prep.tokenizer import ByteTokenizer, train_bpe
 from oryx_megatron.data.loader import ShardLoader
 from oryx_megatron.data.shards import Manifest, read_documents
+from oryx_megatron.data_prep import PrepError
+from oryx_megatron.data_prep.inputs import InputOptions, Piece, expand_inputs, iter_documents, plan_shards, stdlib_files
+from oryx_megatron.data_prep.pipeline import tokenize_corpus
+from oryx_megatron.data_prep.tokenizer import ByteTokenizer, train_bpe
 from tests.data.conftest import LINE_BYTES, prepare, unique_docs, write_jsonl
 
 

@@ -211,8 +211,8 @@ def test_generate_bad_schedule(tiny_checkpoint, tmp_path):
 
 
 def test_generate_tokenizer_larger_than_the_model(tiny_checkpoint, tmp_path):
-    from oryx_megatron.data.prep.inputs import stdlib_files
-    from oryx_megatron.data.prep.tokenizer import train_bpe
+    from oryx_megatron.data_prep.inputs import stdlib_files
+    from oryx_megatron.data_prep.tokenizer import train_bpe
 
     tokenizer = train_bpe((f.read_text(errors="replace") for f in stdlib_files()[:20]), 300, tmp_path / "tok.json")
     assert tokenizer.vocab_size > 257

@@ -30,11 +30,10 @@ KERNEL_OPS = ("chunk_gated_delta_rule", "ssd_chunk_scan", "gated_rms_norm")  # t
 
 def with_cuda_kernels(mixer: OryxMixer) -> OryxMixer:
     """The mixer computing with ``ops.cuda``'s wrappers of the Triton kernels (the torch ops elsewhere)."""
-    kernels = ops.get_kernels("torch")
+    kernels = ops.Kernels({name: op.cuda if name in KERNEL_OPS else op.torch for name, op in ops.OPS.items()}, {})
     for module in mixer.modules():
         if getattr(module, "kernels", None) is not None:
-            module.kernels = kernels.__class__(**{op: getattr(cuda if op in KERNEL_OPS else ops, op)
-                                                  for op in ops.OPS}, names={})
+            module.kernels = kernels
     return mixer
 
 

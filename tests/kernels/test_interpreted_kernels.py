@@ -120,7 +120,7 @@ def errors(wrapper, op: str, dtype: torch.dtype, with_state: bool, kwargs: dict,
     args = {**kernel_inputs(op, dtype, with_state, d_k, d_v), **kwargs}
     inputs = {name: t.requires_grad_(backward) for name, t in args.items() if torch.is_tensor(t) and t.is_floating_point()}
     ref_inputs = {name: t.detach().double().requires_grad_(backward) for name, t in inputs.items()}
-    got, want = wrapper(**{**args, **inputs}), ops.TORCH_OPS[op](**{**args, **ref_inputs})
+    got, want = wrapper(**{**args, **inputs}), ops.OPS[op].torch(**{**args, **ref_inputs})
     got, want = (t if isinstance(t, tuple) else (t,) for t in (got, want))
     assert [t is None for t in got] == [t is None for t in want]
     errs = {name: rel_err(x, ref) for name, x, ref in zip(OUTPUTS[op], got, want) if ref is not None}
@@ -209,7 +209,7 @@ def test_comparison_catches_wrapper_bug(op, old, new, spoiled, kwargs, kernel_ca
 def test_the_runtime_probe_accepts_the_real_kernel(op, kernel_calls, capsys):
     """ops.probe's own comparison (PROBE_SHAPE, bf16 activations, an initial state; its seed) on the real
     kernel: within the probe's tolerance. The errors are printed: PROBE_TOLERANCE is calibrated on them."""
-    errs = probing.probe_errors(op, getattr(cuda, op), ops.TORCH_OPS[op], "cpu", backward=True)
+    errs = probing.probe_errors(op, getattr(cuda, op), ops.OPS[op].torch, "cpu", backward=True)
     with capsys.disabled():
         print(f"\nprobe errors of {op} at {probing.PROBE_SHAPE}:",
               ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))

@@ -75,6 +75,33 @@ def test_document_ids_of_the_fixture():
     assert ops.chunking.document_starts(docs)[0].nonzero().flatten().tolist() == [5, 8, 20, 21]
 
 
+@pytest.mark.parametrize("per_dimension", [False, True], ids=["per-head", "per-dimension"])
+def test_reset_decays_restart_a_recurrence_at_each_document(per_dimension):
+    """``chunking.reset_at_document_starts`` on log decays per head [b, s, h] (GDN's g, SSD's dt A) or per key
+    dimension [b, s, h, d_k] (GLA's gate): the recurrence S_t = exp(g_t) * S_{t-1} + k_t v_t^T (rows of S decaying
+    by their own dimension's decay) over the reset decays equals the recurrence restarted from zero at each
+    document start (fp64), and the decays elsewhere are unchanged."""
+    b = len(LENGTHS)
+    g = -rand(b, S, H, *((DK,) if per_dimension else ()), seed=1).abs() * 0.1
+    k, v, state = rand(b, S, H, DK, seed=2), rand(b, S, H, DV, seed=3), rand(b, H, DK, DV, seed=4)
+    docs = document_ids()
+    reset = ops.chunking.reset_at_document_starts(g, ops.Documents(docs))
+    starts = ops.chunking.document_starts(docs)
+    assert reset.shape == g.shape and torch.equal(reset[~starts], g[~starts]) and (reset[starts] == -torch.inf).all()
+
+    def decay(log_decay):  # [b, h] or [b, h, d_k] -> [b, h, d_k or 1, 1]
+        return (log_decay if per_dimension else log_decay[..., None]).exp()[..., None]
+
+    through, restarted, unreset = state.clone(), state.clone(), state.clone()
+    for t in range(S):
+        write = k[:, t, :, :, None] * v[:, t, :, None, :]  # [b, h, d_k, d_v]
+        through = decay(reset[:, t]) * through + write
+        restarted = torch.where(starts[:, t, None, None, None], 0, decay(g[:, t]) * restarted) + write
+        unreset = decay(g[:, t]) * unreset + write
+        assert (through - restarted).abs().max() < 1e-12, t
+    assert (through - unreset).abs().max() > 1e-3  # the resets mattered
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_short_conv(bias):
     c = 5

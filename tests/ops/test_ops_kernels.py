@@ -12,9 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from oryx_megatron import ops
-from oryx_megatron.ops import BACKEND_ENV_VAR, Kernels, cuda, get_kernels, selection
+from oryx_megatron.ops import BACKEND_ENV_VAR, OPS, KernelOp, Kernels, cuda, get_kernels, register_op, selection
 from oryx_megatron.ops import probe as probing
+from oryx_megatron.ops.builtin import BUILTIN
 from oryx_megatron.ops.selection import KernelEnvironment
+
+BUILTIN_OPS = tuple(op.name for op in BUILTIN)  # the project's own: each has a CUDA kernel
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 
@@ -22,9 +25,11 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
 def test_torch_backend_is_all_torch(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV_VAR, "cuda")  # an explicit backend ignores the variable
     kernels = get_kernels("torch")
-    assert set(kernels.names) == set(ops.OPS) and set(kernels.names.values()) == {"torch"}
-    for op in ops.OPS:
-        assert getattr(kernels, op) is getattr(ops, op)
+    assert set(kernels.names) == set(OPS) and set(kernels.names.values()) == {"torch"}
+    for op in OPS:
+        assert getattr(kernels, op) is OPS[op].torch
+    for op in BUILTIN_OPS:
+        assert OPS[op].torch is getattr(ops, op)  # the public torch op of each of the project's ops
 
 
 @no_cuda
@@ -55,11 +60,16 @@ def test_cuda_backend_without_cuda_raises_clearly():
     assert selection.refusal("ssd_chunk_scan", KernelEnvironment.detect()) == "CUDA is not available"
 
 
-def test_kernels_is_frozen_and_complete():
+def test_kernels_is_read_only_and_complete():
     kernels = get_kernels("torch")
-    assert isinstance(kernels, Kernels) and len(ops.OPS) == 9
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    assert isinstance(kernels, Kernels) and BUILTIN_OPS == (
+        "causal_conv1d", "causal_conv1d_step", "chunk_gated_delta_rule", "gated_delta_rule_step", "ssd_chunk_scan",
+        "ssd_step", "causal_attention", "block_sparse_causal_attention", "gated_rms_norm")
+    assert tuple(kernels.names)[:9] == BUILTIN_OPS  # then the ops registered outside the package (the tests')
+    with pytest.raises(AttributeError, match="Kernels is read-only: cannot set 'ssd_step'"):
         kernels.ssd_step = None
+    with pytest.raises(AttributeError, match=r"no kernel op 'chunk_rwkv': the registered ops are causal_conv1d, "):
+        kernels.chunk_rwkv
 
 
 def test_cuda_wrappers_fall_back_to_torch_on_cpu_tensors():
@@ -113,7 +123,8 @@ def fresh_selection():
 
 
 def test_a_complete_environment_refuses_nothing():
-    assert {op: selection.refusal(op, hopper(*GOOD)) for op in ops.OPS} == dict.fromkeys(ops.OPS)
+    assert {op: selection.refusal(op, hopper(*GOOD)) for op in BUILTIN_OPS} == dict.fromkeys(BUILTIN_OPS)
+    assert ops.cuda_ops() == BUILTIN_OPS  # the tests' op (tests/mixers/gla.py) is torch only
 
 
 @pytest.mark.parametrize("triton", ["3.4.0", "3.6.0", "3.7.0"])
@@ -145,7 +156,7 @@ def test_auto_falls_back_per_op_and_logs_why(caplog, monkeypatch, fresh_selectio
     env = hopper(*with_version("triton", "3.6.0"))
     with caplog.at_level("WARNING", logger="oryx_megatron.ops"):
         kernels = get_kernels("auto", env=env, probe=passing_probe)
-    assert kernels.names == {"causal_conv1d": "causal_conv1d", "causal_conv1d_step": "causal_conv1d",
+    assert {op: kernels.names[op] for op in BUILTIN_OPS} == {"causal_conv1d": "causal_conv1d", "causal_conv1d_step": "causal_conv1d",
                              "chunk_gated_delta_rule": "fla without grad", "gated_delta_rule_step": "fla",
                              "ssd_chunk_scan": "mamba_ssm", "ssd_step": "mamba_ssm", "causal_attention": "sdpa",
                              "block_sparse_causal_attention": "flex_attention", "gated_rms_norm": "mamba_ssm"}
@@ -166,7 +177,7 @@ def test_a_backward_only_refusal_keeps_the_kernel_where_no_gradient_is_needed(mo
         calls.append("fla")
         return ops.chunk_gated_delta_rule(*args, **kwargs)
 
-    monkeypatch.setattr(cuda, "chunk_gated_delta_rule", fla)
+    monkeypatch.setitem(OPS, "chunk_gated_delta_rule", dataclasses.replace(OPS["chunk_gated_delta_rule"], cuda=fla))
     kernels = get_kernels("auto", env=hopper(*with_version("triton", "3.6.0")), probe=passing_probe)
     args = call_arguments("chunk_gated_delta_rule")
     kernels.chunk_gated_delta_rule(**args)  # no input requires a gradient
@@ -183,7 +194,7 @@ def test_a_kernel_whose_backward_fails_its_check_runs_only_without_grad(fresh_se
         return "its one-time check differs from the torch op: grad0 relative error 1" if backward else None
 
     names = get_kernels("auto", env=hopper(*GOOD), probe=probe).names
-    assert set(names.values()) == {f"{selection.IMPLEMENTATIONS[op][0]} without grad" for op in ops.OPS}
+    assert {op: names[op] for op in BUILTIN_OPS} == {op: f"{OPS[op].implementation} without grad" for op in BUILTIN_OPS}
 
 
 def test_a_failed_probe_falls_back_and_cuda_backend_names_it():
@@ -195,6 +206,85 @@ def test_a_failed_probe_falls_back_and_cuda_backend_names_it():
         get_kernels("cuda", env=hopper(*GOOD), probe=probe)
     with pytest.raises(RuntimeError, match=r"chunk_gated_delta_rule \(backward\): Triton 3.6.0 on a Hopper GPU"):
         get_kernels("cuda", env=hopper(*with_version("triton", "3.6.0")), probe=passing_probe)
+
+
+# ---- an op declared outside the package (a mixer's module): one KernelOp, registered ----
+
+def scaled_sum(x, w):
+    """y [b, s, h, d] = cumsum(x) * w: an op of the kind a mixer's module declares."""
+    return x.cumsum(1) * w
+
+
+def scaled_sum_inputs(shape, with_state, gen):
+    b, s, h, d = shape
+    return {"x": (torch.randn(b, s, h, d, generator=gen, dtype=torch.float64), torch.bfloat16),
+            "w": (torch.randn(h, d, generator=gen, dtype=torch.float64), torch.float32)}
+
+
+def declared(cuda_kernel=None, **fields):
+    fields = {"cuda": cuda_kernel, "implementation": "mine", "requires": (selection.Package("my-kernels", "1.2"),),
+              "probe_inputs": scaled_sum_inputs, "outputs": ("y",), "backward": True, **fields}
+    return KernelOp("scaled_sum", scaled_sum, **fields)
+
+
+@pytest.fixture
+def registered():
+    """Registers a declaration for one test, and forgets it (and the selections made with it) afterwards."""
+    yield lambda op: register_op(op)
+    OPS.pop("scaled_sum", None)
+    ops._select.cache_clear()
+
+
+def test_an_op_registered_after_a_first_selection_is_served_and_selected_by_its_conditions(registered, fresh_selection):
+    env = hopper(*GOOD)
+    assert "scaled_sum" not in get_kernels("auto", env=env, probe=passing_probe).names
+    kernel = lambda x, w: scaled_sum(x, w)  # noqa: E731  (its "CUDA kernel")
+    registered(declared(kernel))
+    kernels = get_kernels("auto", env=env, probe=passing_probe)
+    assert kernels.names["scaled_sum"] == "torch" and kernels.scaled_sum is scaled_sum  # my-kernels is missing
+    assert get_kernels("torch").scaled_sum is scaled_sum
+    kernels = get_kernels("auto", env=hopper(*GOOD, ("my-kernels", "1.2.0")), probe=passing_probe)
+    assert kernels.names["scaled_sum"] == "mine" and kernels.scaled_sum is kernel
+    with pytest.raises(RuntimeError, match=r"unavailable here: scaled_sum: my-kernels 1.1 is older than 1.2, the oldest version"):
+        get_kernels("cuda", env=hopper(*GOOD, ("my-kernels", "1.1")), probe=passing_probe)
+
+
+def test_an_op_without_a_cuda_kernel_runs_torch_and_a_cuda_machine_says_so(registered, fresh_selection, caplog):
+    """Not silently torch, and not a refusal of backend 'cuda' for every model of the process (the GDN model's
+    kernels run as CUDA kernels beside the tests' GLA mixer's torch ops)."""
+    registered(declared(None, requires=(), probe_inputs=None, outputs=()))
+    assert get_kernels("auto", env=hopper(*GOOD), probe=passing_probe).names["scaled_sum"] == "torch"
+    kernels = get_kernels("cuda", env=hopper(*GOOD), probe=passing_probe)
+    assert kernels.scaled_sum is scaled_sum and kernels.names["chunk_gated_delta_rule"] == "fla"
+    assert f"scaled_sum: the torch op runs: no CUDA kernel is declared for it (in {__name__})" in caplog.messages
+    assert "gla_step: the torch op runs: no CUDA kernel is declared for it (in tests.mixers.gla)" in caplog.messages
+
+
+def test_a_registered_kernel_is_probed_through_its_own_inputs(registered, fresh_selection):
+    """get_kernels' probe compares the kernel with the torch op on the values of the op's probe_inputs:
+    a kernel 2% off is refused with the probe's reason, the torch op itself (bf16 against fp64) passes."""
+    off = lambda x, w: scaled_sum(x, w) * MUTANT_FACTOR  # noqa: E731
+    registered(declared(off, requires=()))
+
+    def probe(op, backward=True):
+        return probing.probe(op, OPS[op].cuda, OPS[op].torch, "cpu", backward)
+
+    kernels = get_kernels("auto", env=hopper(*GOOD), probe=probe)
+    assert kernels.names["scaled_sum"] == "torch"
+    assert re.match(refusal("scaled_sum", "y"), probe("scaled_sum", backward=False) or "")
+    errors = probing.probe_errors("scaled_sum", scaled_sum, scaled_sum, "cpu", backward=True)
+    assert set(errors) == {"y", "dx", "dw"} and probing.verdict("scaled_sum", errors) is None
+
+
+def test_a_declaration_names_what_is_wrong_with_it(registered):
+    registered(declared(None))
+    with pytest.raises(ValueError, match=r"'scaled_sum' is already declared, by tests.ops.test_ops_kernels.scaled_sum$"):
+        register_op(declared(None))
+    with pytest.raises(ValueError, match=r"kernel op 'names': not a valid op name"):
+        register_op(KernelOp("names", scaled_sum))
+    with pytest.raises(ValueError, match=r"kernel op 'other': a CUDA kernel needs probe_inputs and outputs"):
+        register_op(KernelOp("other", scaled_sum, cuda=scaled_sum))
+    assert "names" not in OPS and "other" not in OPS
 
 
 def call_arguments(op: str, shape=(1, 16, 2, 8)) -> dict:
@@ -212,13 +302,13 @@ GRADIENTS = {  # the differentiable inputs of each sequence op: the probe compar
     "block_sparse_causal_attention": ("q", "k", "v"),
     "gated_rms_norm": ("y", "gate", "weight"),
 }
-OUTPUT_MUTANTS = [(op, name) for op in ops.OPS for name in probing.OUTPUT_NAMES[op]]
+OUTPUT_MUTANTS = [(op, name) for op in BUILTIN_OPS for name in OPS[op].outputs]
 GRADIENT_MUTANTS = [(op, name) for op, names in GRADIENTS.items() for name in names]
 
 
 def output_mutant(op: str, output: str):
     """The torch op with one output 2% off."""
-    index = probing.OUTPUT_NAMES[op].index(output)
+    index = OPS[op].outputs.index(output)
 
     def kernel(**kwargs):
         out = getattr(ops, op)(**kwargs)
@@ -244,14 +334,14 @@ def refusal(op: str, name: str) -> str:
     return rf"its one-time check differs from the torch op: {name} relative error [0-9.e-]+ > {limit}$"
 
 
-@pytest.mark.parametrize("op", ops.OPS)
+@pytest.mark.parametrize("op", BUILTIN_OPS)
 def test_probe_accepts_the_torch_op_in_bf16(op):
     """The CUDA wrapper on CPU is the torch op: in bf16 against fp64 (the floor of bf16 rounding: measured
     <= 7.8e-3, docs/gpu.md) it stays inside the tolerance, so the tolerance does not refuse a right kernel;
     every output and every differentiable input's gradient is compared."""
     assert probing.probe(op, getattr(cuda, op), getattr(ops, op), "cpu") is None
     errors = probing.probe_errors(op, getattr(cuda, op), getattr(ops, op), "cpu", backward=True)
-    assert set(errors) == {*probing.OUTPUT_NAMES[op], *(f"d{name}" for name in GRADIENTS.get(op, ()))}
+    assert set(errors) == {*OPS[op].outputs, *(f"d{name}" for name in GRADIENTS.get(op, ()))}
     assert probing.verdict(op, errors) is None, errors
 
 
@@ -339,7 +429,7 @@ def test_a_verdict_recorded_under_another_tolerance_is_probed_again(tmp_path, mo
     assert probing.recorded_verdicts() == {}
     ran = "its one-time check raised AssertionError: a recorded kernel was run again"
     for op in ("ssd_step", "chunk_gated_delta_rule", "gated_delta_rule_step"):
-        assert probing.probe(op, crash, ops.TORCH_OPS[op], "cpu") == ran, op
+        assert probing.probe(op, crash, OPS[op].torch, "cpu") == ran, op
 
 
 def test_compile_is_seen_disabled_by_either_variable(monkeypatch):

@@ -19,14 +19,14 @@ DIRECTIONS = ("fwd", "bwd")
 def kernel_cases() -> List[Tuple[str, str]]:
     """(op, state case) for every call checked."""
     cases = []
-    for op in ops.OPS:
+    for op in ops.cuda_ops():
         if op == "causal_attention":
             cases.append((op, "causal"))
         elif op == "block_sparse_causal_attention":
             cases.append((op, f"every other block of {cuda.FLEX_BLOCK_SIZE} reads"))
         elif op == "gated_rms_norm":
             cases.append((op, "per head"))
-        elif op in probing.SEQUENCE_OPS:
+        elif ops.OPS[op].backward:
             cases += [(op, "no initial state"), (op, "initial state")]
         else:
             cases.append((op, "step"))
@@ -35,14 +35,14 @@ def kernel_cases() -> List[Tuple[str, str]]:
 
 def kernel_rows() -> int:
     """Rows of the section when nothing goes wrong."""
-    return sum(2 if op in probing.SEQUENCE_OPS else 1 for op, _ in kernel_cases())
+    return sum(2 if ops.OPS[op].backward else 1 for op, _ in kernel_cases())
 
 
 def kernel_call(op: str, case: str, setup: Setup) -> probing.KernelCall:
     """The CUDA wrapper of ``op`` against the torch op on the case's inputs (seeded by op and case)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{op}/{case}".encode()))
     values = probing.kernel_inputs(op, setup.sizes.kernel_shape, case == "initial state", gen)
-    return probing.KernelCall(op, values, setup.device, getattr(cuda, op), ops.TORCH_OPS[op])
+    return probing.KernelCall(op, values, setup.device, ops.OPS[op].cuda, ops.OPS[op].torch)
 
 
 def why_not(op: str, direction: str, setup: Setup, env: selection.KernelEnvironment) -> Optional[str]:
@@ -60,9 +60,9 @@ def check_kernels(setup: Setup, report: Report) -> None:
     for op, case in kernel_cases():
         call = kernel_call(op, case, setup)
         measures = {"fwd": call.forward_errors, "bwd": call.backward_errors}
-        kernel = "torch" if setup.dry_run else selection.IMPLEMENTATIONS[op][0]
+        kernel = "torch" if setup.dry_run else ops.OPS[op].implementation
         base = {"op": op, "implementation": kernel, "note": _kernel_note(kernel, auto[op], setup)}
-        for direction in DIRECTIONS[:2 if op in probing.SEQUENCE_OPS else 1]:
+        for direction in DIRECTIONS[:2 if ops.OPS[op].backward else 1]:
             row = {**base, "case": f"{direction}, {case}"}
             reason = why_not(op, direction, setup, env)
             if reason:

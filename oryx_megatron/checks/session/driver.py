@@ -49,7 +49,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help=f"run these stages only (after the probes): {', '.join(names)}")
     parser.add_argument("--with-causal-conv1d", action="store_true",
                         help="probe (and then use) causal-conv1d's CUDA kernels, refused unprobed by default")
-    parser.add_argument("--rehearse-probe-crash", metavar="OP", choices=ops.OPS,
+    parser.add_argument("--rehearse-probe-crash", metavar="OP", choices=ops.cuda_ops(),
                         help="--toy only: this op's probe process dies by SIGSEGV (the rehearsal of a crashing kernel)")
     args = parser.parse_args(argv)
     if args.rehearse_probe_crash and not args.toy:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from oryx_megatron import ops
-from oryx_megatron.ops import cuda, selection
+from oryx_megatron.ops import selection
 from oryx_megatron.ops import probe as probing
 
 
@@ -35,13 +35,13 @@ def verdicts(op: str) -> dict:
             found[direction] = known
         else:
             found[direction], found["errors"][direction] = probing.measure(
-                op, getattr(cuda, op), ops.TORCH_OPS[op], device, backward)
+                op, ops.OPS[op].cuda, ops.OPS[op].torch, device, backward)
     return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("op", choices=ops.OPS)
+    parser.add_argument("op", choices=ops.cuda_ops())
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--crash", action="store_true", help="rehearsal: die by SIGSEGV before probing")
     args = parser.parse_args()

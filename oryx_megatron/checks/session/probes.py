@@ -55,7 +55,7 @@ def run_probes(work: Path, env: dict, limit_s: float, with_causal_conv1d: bool,
     child_env = {k: v for k, v in env.items() if k != probing.PROBES_ENV_VAR}  # a probe never reads verdicts
     found: Dict[str, dict] = {}
     running = {}  # op -> (process, log file, start)
-    for op in ops.OPS:
+    for op in ops.cuda_ops():
         if op in OPT_IN and not with_causal_conv1d:
             found[op] = {**_refused(OPT_IN[op]), "exit": None, "seconds": 0.0}
             continue
@@ -81,8 +81,8 @@ def run_probes(work: Path, env: dict, limit_s: float, with_causal_conv1d: bool,
             found[op] = {**outcome(code, folder / f"{op}.json", folder / f"{op}.log", limit_s),
                          "exit": code, "seconds": round(time.perf_counter() - start, 1)}
         time.sleep(POLL_S)
-    found = {op: {**found[op], "tolerance": probing.tolerance(op)} for op in ops.OPS}  # the one each was judged by
-    verdicts = {op: {key: found[op][key] for key in ("forward", "backward", "tolerance", "errors")} for op in ops.OPS}
+    found = {op: {**found[op], "tolerance": probing.tolerance(op)} for op in ops.cuda_ops()}  # the one each was judged by
+    verdicts = {op: {key: found[op][key] for key in ("forward", "backward", "tolerance", "errors")} for op in ops.cuda_ops()}
     (work / "kernel_probes.json").write_text(json.dumps({"verdicts": verdicts}, indent=1) + "\n")
     return found
 

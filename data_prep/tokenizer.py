@@ -8,7 +8,7 @@ from typing import Iterable, List, Union
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from oryx_megatron.data.prep import PrepError
+from oryx_megatron.data_prep import PrepError
 
 EOD_TOKEN = "<|endoftext|>"
 

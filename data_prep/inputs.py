@@ -19,7 +19,7 @@ from typing import Iterator, List, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from oryx_megatron.data.prep import PrepError
+from oryx_megatron.data_prep import PrepError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from oryx_megatron.data.prep import PrepError
-from oryx_megatron.data.prep.inputs import InputOptions, Piece, iter_documents, plan_shards
-from oryx_megatron.data.prep.tokenizer import AnyTokenizer, HFTokenizer, load_tokenizer, train_bpe
 from oryx_megatron.data.shards import MANIFEST, Manifest, ShardInfo, ShardWriter, token_dtype
+from oryx_megatron.data_prep import PrepError
+from oryx_megatron.data_prep.inputs import InputOptions, Piece, iter_documents, plan_shards
+from oryx_megatron.data_prep.tokenizer import AnyTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 PROGRESS = "progress.jsonl"
 COUNTS = ("skipped_empty", "skipped_invalid_utf8", "replaced_invalid_utf8")
