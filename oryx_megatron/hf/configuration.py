@@ -19,7 +19,7 @@ from typing import Optional, Union
 from transformers import PretrainedConfig
 
 from oryx_megatron.config import MIXER_FIELDS, MixerConfig, MixerConfigError, RouterConfig, RouterConfigError
-from oryx_megatron.config.router import check_router
+from oryx_megatron.config.router import ALIASES, check_router
 from oryx_megatron.mixer import linear_mixer_class
 
 MODEL_TYPE = "oryx"
@@ -37,8 +37,9 @@ HF_NAMES = {
 # A config made without arguments (transformers makes one to find a saved config's non-default values).
 MIXER_DEFAULTS = {**{f.name: f.default for f in fields(MixerConfig)},
                   "hidden_size": 768, "num_attention_heads": 12, "kv_channels": 64}
-# RouterConfig's architecture -> its keys in a Hugging Face config (router_hidden None: the model has no router)
-ROUTER_NAMES = {"hidden": "router_hidden", "chunk_size": "router_chunk_size", "layers": "router_layers"}
+# RouterConfig's architecture -> its keys in a Hugging Face config (router_hidden None: the model has no router): the
+# names a model recipe gave them before the router had its schema
+ROUTER_NAMES = ALIASES
 ROUTER_DEFAULTS = {name: getattr(RouterConfig(), key) for key, name in ROUTER_NAMES.items()}
 
 
