@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test test-four-ranks test-py312 test-kernels demo experiments experiments-large venv clean gpu-check gpu-stamp
+.PHONY: test hf-envs test-four-ranks test-py312 test-kernels demo experiments experiments-large venv clean gpu-check gpu-stamp
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,19 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: venv
-	$(PY) -m pytest -q --durations=15 -m "not four_ranks" tests
+test: venv hf-envs
+	ORYX_HF_ENVS=$(HF_ENVS) $(PY) -m pytest -q --durations=15 -m "not four_ranks" tests
+
+# Pythons with torch and transformers only (neither oryx_megatron nor megatron-core), in which tests/test_hf_folder.py
+# loads an exported folder: transformers 5.16 (vLLM's range) and 5.25. Built once, outside the repo.
+HF_ENVS ?= $(HOME)/.cache/oryx-megatron/hf-envs
+HF_ENV_VERSIONS := 5.16.1 5.25.0
+HF_ENV_STAMPS := $(foreach v,$(HF_ENV_VERSIONS),$(HF_ENVS)/transformers-$(v)/.installed)
+$(HF_ENVS)/transformers-%/.installed:
+	test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
+	$(@D)/bin/pip install -q $(TORCH) transformers==$* safetensors
+	touch $@
+hf-envs: $(HF_ENV_STAMPS)
 
 # The same suite on the GPU machine's stack, on the CPU (README, "Tested combinations"): Python 3.12, torch 2.11
 # and the newest megatron-core of pyproject's range, in its own venv. torch 2.11 for Python 3.12 is a CUDA build
@@ -43,8 +54,8 @@ $(PY312_VENV)/.installed: pyproject.toml
 	$(PY312) -m pip install -q -e '.[dev]'
 	touch $@
 
-test-py312: $(PY312_VENV)/.installed
-	$(PY312) -m pytest -q -m "not four_ranks" tests
+test-py312: $(PY312_VENV)/.installed hf-envs
+	ORYX_HF_ENVS=$(HF_ENVS) $(PY312) -m pytest -q -m "not four_ranks" tests
 
 # The layouts of 4 gloo processes (TP x CP, DP x CP, PP x DP, CP=4; pytest's four_ranks marker), on the GPU machine's
 # stack: a job of their own in .ci/run, which keeps `make test` within its budget (on 3.11: `.venv/bin/python -m

@@ -190,9 +190,9 @@ def test_a_kernel_whose_session_probe_crashed_is_skipped_even_in_a_dry_run(tmp_p
     crashed = "its probe process was killed by SIGSEGV"
     recorded = {"forward": crashed, "backward": crashed, "errors": {}}
     verdicts.write_text(json.dumps({"verdicts": {
-        "chunk_gated_delta_rule": {**recorded, "tolerance": ops.probing.tolerance("chunk_gated_delta_rule")},
+        "chunk_gated_delta_rule": {**recorded, "tolerance": ops.probe.tolerance("chunk_gated_delta_rule")},
         "ssd_chunk_scan": {**recorded, "tolerance": {"*": 5e-2}}}}))  # another checkout's: measured here
-    monkeypatch.setenv(ops.probing.PROBES_ENV_VAR, str(verdicts))
+    monkeypatch.setenv(ops.probe.PROBES_ENV_VAR, str(verdicts))
 
     def crash(*args, **kwargs):
         raise AssertionError("a kernel refused by its session probe was called")

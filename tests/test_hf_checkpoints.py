@@ -27,9 +27,15 @@ from oryx_megatron.interop.hf_export import heldout_losses  # noqa: E402
 from tests.test_train import losses, run_config  # noqa: E402
 
 EOD, PADDED = 256, 384
-FILES = {"README.md", "config.json", "configuration_oryx.py", "generation_config.json", "model.safetensors",
-         "modeling_oryx.py", "tokenizer.json", "tokenizer_config.json"}
+FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+         "tokenizer_config.json"}  # and the model's code (tests/test_hf_folder.py)
 PROMPT = "def main(self):\n    return"
+
+
+def folder_files():
+    from oryx_megatron.hf.remote_code import model_code
+
+    return FILES | set(model_code())
 
 
 def cli(main, *args):
@@ -58,7 +64,7 @@ def imported(exported, tmp_path_factory):
 def test_export_writes_a_transformers_folder(exported):
     from transformers import AutoConfig, AutoTokenizer
 
-    assert {p.name for p in exported.iterdir()} == FILES
+    assert {p.name for p in exported.iterdir()} == folder_files()
     config = AutoConfig.from_pretrained(exported)
     assert (config.model_type, config.architectures, config.mixers, config.vocab_size) == \
         ("oryx", ["OryxForCausalLM"], "attention+gdn", PADDED)
@@ -172,14 +178,14 @@ def test_tp2_checkpoint_exports_the_same_files(tiny_checkpoint, exported, import
     for name, checkpoint in (("from_tp1", imported), ("from_tp2", tmp_path / "tp2")):
         cli(export_hf.main, "hf", checkpoint, tmp_path / name)
     files = sorted(p.name for p in (tmp_path / "from_tp1").iterdir())
-    assert files == sorted(p.name for p in (tmp_path / "from_tp2").iterdir()) == sorted(FILES)
+    assert files == sorted(p.name for p in (tmp_path / "from_tp2").iterdir()) == sorted(folder_files())
     assert all(filecmp.cmp(tmp_path / "from_tp1" / f, tmp_path / "from_tp2" / f, shallow=False) for f in files)
     assert filecmp.cmp(exported / "model.safetensors", tmp_path / "from_tp1" / "model.safetensors", shallow=False)
 
 
 def test_sharded_bf16_export_loads_with_remote_code_alone(tiny_checkpoint, tmp_path):
     """In a fresh interpreter that never imports oryx_megatron.hf itself: trust_remote_code=True loads the
-    sharded bf16 folder through its auto_map, the SSM scalars in fp32."""
+    sharded bf16 folder through its auto_map, the folder's own code, the SSM scalars in fp32."""
     out = tmp_path / "bf16"
     cli(export_hf.main, "hf", tiny_checkpoint, out, "--dtype", "bfloat16", "--max-shard-size", "100KB")
     assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 1
@@ -195,7 +201,9 @@ def test_sharded_bf16_export_loads_with_remote_code_alone(tiny_checkpoint, tmp_p
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONWARNINGS": "ignore"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["oryx_megatron.hf.modeling", "torch.bfloat16", "True"]
+    module, dtype, fp32_scalars = done.stdout.split()
+    assert (module.split(".")[0], module.split(".")[-1], dtype, fp32_scalars) == \
+        ("transformers_modules", "modeling_oryx", "torch.bfloat16", "True")
     megatron, _ = load_model(tiny_checkpoint, torch.bfloat16)
     ids = torch.tensor([ByteTokenizer().encode_batch([PROMPT])[0].tolist()])
     with torch.no_grad():

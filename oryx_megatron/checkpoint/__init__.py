@@ -11,11 +11,13 @@ from oryx_megatron.checkpoint.checksums import (
 )
 from oryx_megatron.checkpoint.files import (
     CONFIG,
+    FORMAT_VERSION,
     LATEST,
     METADATA,
     RUN_CONFIG,
     CheckpointError,
     CheckpointKeysError,
+    CheckpointVersionError,
     apply_retention,
     check_retention,
     checkpoints,
@@ -31,7 +33,8 @@ from oryx_megatron.checkpoint.verify import (
     verify_checkpoint,
 )
 
-__all__ = ["CHECKSUMS", "CONFIG", "LATEST", "METADATA", "RUN_CONFIG", "CheckpointError", "CheckpointKeysError",
+__all__ = ["CHECKSUMS", "CONFIG", "FORMAT_VERSION", "LATEST", "METADATA", "RUN_CONFIG", "CheckpointError",
+           "CheckpointKeysError", "CheckpointVersionError",
            "ChecksumMismatch", "apply_retention", "check_retention", "checkpoints", "file_sha256", "iteration_dir",
            "iteration_of", "latest_checkpoint", "latest_name", "load_common", "load_sharded", "sharded_keys",
            "verify_checkpoint", "verify_checksums", "write_checksums"]

@@ -33,6 +33,10 @@ _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _OPTIMIZER_STATE = re.compile(r"^optimizer\.state\.\w+\.")  # optimizer.state.<exp_avg, ...>.<parameter key>
 _RUN_OBJECTS = ("rng_state", "common_state")  # sharded keys of the run's, not the model's (compat.megatron)
 _KEYS_NAMED = 8  # the unknown keys a CheckpointKeysError names (then: "and N more")
+# The layout of the checkpoints this code writes, in their common state as ``format_version``; raised by a change
+# that this code's readers could not load. Checkpoints written before it was recorded have layout 1.
+FORMAT_VERSION = 1
+KNOWN_FORMAT_VERSIONS = (1,)
 
 # Sharded keys renamed since checkpoints were written: (new spelling, old spelling), in order. THE migration
 # table: a checkpoint key that the model has under neither spelling refuses to load (CheckpointKeysError).
@@ -70,6 +74,16 @@ class CheckpointKeysError(ValueError):
         super().__init__(f"checkpoint {path} holds keys this model does not have: {named} (no migration in "
                          "oryx_megatron/checkpoint/files.py RENAMED_KEYS maps them to its keys)")
         self.path, self.keys = Path(path), keys
+
+
+class CheckpointVersionError(ValueError):
+    """A checkpoint whose layout (``format_version``) this code does not know: not damaged, not skipped when
+    resuming; the message names the checkpoint and the version."""
+
+    def __init__(self, path, version):
+        super().__init__(f"checkpoint {path} has format_version={version!r}, which this oryx-megatron does not know "
+                         f"(it reads {', '.join(map(str, KNOWN_FORMAT_VERSIONS))}): written by a newer version?")
+        self.path, self.version = Path(path), version
 
 
 def iteration_of(path: Path) -> Optional[int]:

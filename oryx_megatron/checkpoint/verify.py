@@ -24,7 +24,9 @@ from oryx_megatron.checkpoint.files import (
     CONFIG,
     METADATA,
     RUN_CONFIG,
+    KNOWN_FORMAT_VERSIONS,
     CheckpointError,
+    CheckpointVersionError,
     checkpoints,
     iteration_of,
     latest_name,
@@ -178,7 +180,8 @@ def load_common(path: Path, metadata=None) -> dict:
     id, optimizer param groups), loaded with weights_only from where its megatron-core version put it
     (``common.pt`` or the shards' ``common_state`` object: ``compat.megatron``). ``metadata``: its
     ``.metadata`` when already read (else read here, restricted unpickler). CheckpointError naming the
-    file when the state is missing, unreadable or holds no training state."""
+    file when the state is missing, unreadable or holds no training state; CheckpointVersionError when its
+    ``format_version`` is not one this code knows (none: a checkpoint of layout 1, written before it was recorded)."""
     path = Path(path)
     if metadata is None:
         metadata = _read(path, METADATA, _load_metadata)
@@ -192,6 +195,8 @@ def load_common(path: Path, metadata=None) -> dict:
             from None
     if not isinstance(common, dict) or "iteration" not in common:
         raise CheckpointError(path, f"{where.name} holds no training state")
+    if common.get("format_version", 1) not in KNOWN_FORMAT_VERSIONS:
+        raise CheckpointVersionError(path, common["format_version"])
     return common
 
 

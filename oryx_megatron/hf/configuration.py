@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 
 from oryx_megatron.config import MIXER_FIELDS, MixerConfig, MixerConfigError, RouterConfig, RouterConfigError
 from oryx_megatron.config.router import ALIASES, check_router
+from oryx_megatron.hf.remote_code import carried, code_hash, model_code, write_model_code
 from oryx_megatron.mixer import linear_mixer_class
 
 MODEL_TYPE = "oryx"
@@ -47,20 +48,8 @@ def hf_name(field: str) -> str:
     """A MixerConfig field's name in ``OryxHFConfig``."""
     return HF_NAMES.get(field, field)
 
-# trust_remote_code=True: the two modules a folder carries, which re-export the installed package's classes.
+# trust_remote_code=True: the folder's two modules (generated with the rest of the code it needs: hf/remote_code.py).
 AUTO_MAP = {"AutoConfig": "configuration_oryx.OryxHFConfig", "AutoModelForCausalLM": "modeling_oryx.OryxForCausalLM"}
-REMOTE_CODE = {
-    "configuration_oryx.py": ("OryxHFConfig", "oryx_megatron.hf.configuration", "config"),
-    "modeling_oryx.py": ("OryxForCausalLM", "oryx_megatron.hf.modeling", "model"),
-}
-
-
-def write_remote_code(folder: Union[str, os.PathLike]) -> None:
-    """The modules that ``auto_map`` names, into ``folder``: each re-exports a class of the installed package."""
-    for file, (name, module, what) in REMOTE_CODE.items():
-        (Path(folder) / file).write_text(
-            f'"""Oryx (trust_remote_code=True): the {what} class of the installed oryx-megatron '
-            f'(pip install \'oryx-megatron[hf]\')."""\n\nfrom {module} import {name}  # noqa: F401\n')
 
 
 class OryxHFConfig(PretrainedConfig):
@@ -140,15 +129,21 @@ class OryxHFConfig(PretrainedConfig):
                              f"(this one reads {FORMAT_VERSION}); upgrade the package")
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' ``save_pretrained`` (which a model's ``save_pretrained`` calls), and the modules that
-        ``auto_map`` names."""
+        """transformers' ``save_pretrained`` (which a model's ``save_pretrained`` calls), with the code the folder
+        needs (``remote_code.model_code``; its hash as ``oryx.code_sha256``)."""
+        linear = linear_mixer_class(self.mixer_config)
+        if linear is not None and not carried(linear.__module__):
+            raise ValueError(f"OryxHFConfig.mixers={self.mixers!r}: {linear.__name__} ({linear.__module__}) is not "
+                             f"a module of oryx-megatron, so a saved folder cannot carry its code")
+        code = model_code()
+        self.oryx["code_sha256"] = code_hash(code)
         super().save_pretrained(save_directory, *args, **kwargs)
-        write_remote_code(save_directory)
+        write_model_code(save_directory, code)
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig"):
-        """A no-op: ``auto_map`` names the re-exporting modules (``write_remote_code``); transformers must not
-        copy this package's source files into a saved folder."""
+        """A no-op: ``save_pretrained`` writes the folder's code (transformers would copy only the file that
+        defines the class)."""
 
     @property
     def is_multi_mixer(self) -> bool:

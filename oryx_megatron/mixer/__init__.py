@@ -16,7 +16,6 @@ from oryx_megatron.mixer.heads import HeadModule, HeadShard
 from oryx_megatron.mixer.layout import MixerLayout
 from oryx_megatron.mixer.linear import LINEAR_MIXERS, LinearMixer, linear_mixer_class
 from oryx_megatron.mixer.oryx_mixer import OryxMixer
-from oryx_megatron.mixer import router
 from oryx_megatron.mixer.router import ChunkRouter
 from oryx_megatron.mixer.state import KV_BLOCK, MixerCache, MixerSnapshot
 

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from . import builtin, cuda, probe as probing, selection  # noqa: F401  (builtin: registers the project's own ops)
+from .builtin import BUILTIN  # noqa: F401  (registers the project's own ops)
 from .attention import (
     BlockReads,
     attention_at,
@@ -32,8 +32,10 @@ from .conv import causal_conv1d, causal_conv1d_step
 from .documents import Documents
 from .gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
 from .norm import gated_rms_norm, kv_gate, upcast
+from .probe import probe as probe_kernel
 from .registry import OPS, KernelOp, cuda_ops, register_op
 from .rotary import apply_rotary, rotary_cos_sin, rotary_table
+from .selection import KernelEnvironment, refusal
 from .ssd import ssd_chunk_scan, ssd_step
 
 BACKENDS = ("auto", "torch", "cuda")
@@ -64,12 +66,12 @@ class Kernels:
 logger = logging.getLogger(__name__)
 
 
-def get_kernels(backend: str = "auto", env: Optional[selection.KernelEnvironment] = None,
+def get_kernels(backend: str = "auto", env: Optional[KernelEnvironment] = None,
                 probe: Optional[Callable[[str], Optional[str]]] = None) -> Kernels:
     """Kernels of every registered op (``registry.OPS``) for a backend: "torch" (pure PyTorch), "cuda" (the CUDA
     kernels; RuntimeError naming each op whose kernel is missing, known broken or fails its check; an op that
     declares none runs its torch op, logged on a CUDA machine), or "auto": the value of $ORYX_KERNEL_BACKEND when set, otherwise per op the CUDA kernel where it may
-    run (``selection.refusal``) and passes its one-time check against the torch op (``probe``, on CUDA), else
+    run (``refusal``) and passes its one-time check against the torch op (``probe``, on CUDA), else
     the torch op, with the reason logged.
 
     ``env`` (default: this machine) and ``probe`` (default: ``probe.probe`` on CUDA, which returns the
@@ -83,11 +85,11 @@ def get_kernels(backend: str = "auto", env: Optional[selection.KernelEnvironment
         raise ValueError(f"unknown kernel backend {backend!r} (from {source}); allowed: {allowed}")
     if backend == "torch":
         return Kernels({name: op.torch for name, op in OPS.items()}, {name: "torch" for name in OPS})
-    return _select(backend, env or selection.KernelEnvironment.detect(), probe or _probe_on_cuda, tuple(OPS.values()))
+    return _select(backend, env or KernelEnvironment.detect(), probe or _probe_on_cuda, tuple(OPS.values()))
 
 
 @functools.lru_cache(maxsize=None)
-def _select(backend: str, env: selection.KernelEnvironment, probe, registered: Tuple[KernelOp, ...]) -> Kernels:
+def _select(backend: str, env: KernelEnvironment, probe, registered: Tuple[KernelOp, ...]) -> Kernels:
     """Per op of ``registered`` (the registry's state: an op registered later is a new key) the CUDA kernel;
     where only its backward is refused (or fails its check), the kernel for calls that need no gradient and the
     torch op for the others; else the torch op. Once per process, environment and registry, with the reason
@@ -101,10 +103,10 @@ def _select(backend: str, env: selection.KernelEnvironment, probe, registered: T
                 logger.warning("%s: the torch op runs: no CUDA kernel is declared for it (in %s)", op,
                                declared.torch.__module__)
             continue
-        reason = selection.refusal(op, env) or probe(op)
+        reason = refusal(op, env) or probe(op)
         if reason is None:
             chosen[op], names[op] = declared.cuda, declared.implementation
-        elif selection.refusal(op, env, backward=False) is None and probe(op, backward=False) is None:
+        elif refusal(op, env, backward=False) is None and probe(op, backward=False) is None:
             chosen[op] = _without_grad(declared.cuda, declared.torch)
             names[op] = f"{declared.implementation} without grad"
             refused[op] = (reason, True)
@@ -140,7 +142,7 @@ def _without_grad(kernel: Callable, reference: Callable) -> Callable:
 def _probe_on_cuda(op: str, backward: bool = True) -> Optional[str]:
     if not torch.cuda.is_available():
         return None
-    return probing.probe(op, OPS[op].cuda, OPS[op].torch, backward=backward)
+    return probe_kernel(op, OPS[op].cuda, OPS[op].torch, backward=backward)
 
 
 __all__ = [

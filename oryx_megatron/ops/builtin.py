@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention, conv, cuda, gated_delta_rule, norm, ssd
+from .cuda import FLEX_BLOCK_SIZE
 from .probe import ACT, GATE
 from .registry import KernelOp, Values, register_op
 from .selection import KernelEnvironment, KnownIssue, Package, version_tuple
@@ -77,8 +78,8 @@ def _attention_inputs(block_sparse: bool):
         rand = _random(gen)
         args = {name: (rand(b, s, h, d), ACT) for name in ("q", "k", "v")}
         if block_sparse:
-            read = (torch.arange(s) // cuda.FLEX_BLOCK_SIZE % 2 == 0).expand(b, s).clone()  # [b, s]
-            args.update(reads=attention.BlockReads(read, cuda.FLEX_BLOCK_SIZE))
+            read = (torch.arange(s) // FLEX_BLOCK_SIZE % 2 == 0).expand(b, s).clone()  # [b, s]
+            args.update(reads=attention.BlockReads(read, FLEX_BLOCK_SIZE))
         return args
     return inputs
 

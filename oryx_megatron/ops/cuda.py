@@ -3,13 +3,14 @@ rule), mamba-ssm (SSD, and the fused per-head gated RMSNorm), causal-conv1d (sho
 (attention; torch picks the flash backend on CUDA) and torch FlexAttention (attention over the
 query blocks that read it).
 
-The libraries are imported inside the functions, so this module imports anywhere; which kernels may
+The libraries are imported on first use (``_kernel``), so this module imports anywhere; which kernels may
 run here is decided by ``selection``. Inputs a kernel does not take (CPU tensors, fp64; fp32 for fla's chunked kernel) run the torch op instead, so the
 numbers never depend on where a tensor happens to live.
 """
 
 import functools
-from typing import Tuple
+import importlib
+from typing import Callable, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,13 @@ from . import attention, conv, gated_delta_rule, norm, ssd
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 causal_attention = attention.causal_attention  # the same SDPA call on every device
+
+
+def _kernel(module: str, name: str) -> Callable:
+    """A function of an optional kernel library (causal-conv1d, fla, mamba-ssm), imported on first use. No import
+    statement names these libraries: transformers' remote-code check would require them of everyone who loads an
+    exported folder (hf/remote_code.py), and ``selection`` picks a kernel only where its library imports."""
+    return getattr(importlib.import_module(module), name)
 
 
 def _kernel_takes(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _KERNEL_DTYPES) -> bool:
@@ -35,7 +43,7 @@ def causal_conv1d(x, weight, bias=None, initial_state=None, activation="silu", d
     states: with both, the torch op runs); shapes as `conv.causal_conv1d` (x [b, s, c])."""
     if not _conv_kernel_takes(x, weight) or (documents is not None and initial_state is not None):
         return conv.causal_conv1d(x, weight, bias, initial_state, activation, documents)
-    from causal_conv1d import causal_conv1d_fn
+    causal_conv1d_fn = _kernel("causal_conv1d", "causal_conv1d_fn")
 
     x_cl = x.contiguous().transpose(1, 2)  # [b, c, s], channel-last: states need stride(1) == 1
     if documents is not None:
@@ -54,7 +62,7 @@ def causal_conv1d_step(x, state, weight, bias=None, activation="silu"):
     """causal-conv1d's `causal_conv1d_update`; shapes as `conv.causal_conv1d_step` (x [b, c])."""
     if not _conv_kernel_takes(x, weight):
         return conv.causal_conv1d_step(x, state, weight, bias, activation)
-    from causal_conv1d import causal_conv1d_update
+    causal_conv1d_update = _kernel("causal_conv1d", "causal_conv1d_update")
 
     new_state = state.to(x.dtype, copy=True, memory_format=torch.contiguous_format)  # updated in place
     y = causal_conv1d_update(x, new_state, weight, bias, activation)  # [b, c]
@@ -71,9 +79,7 @@ def chunk_gated_delta_rule(
         return gated_delta_rule.chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, documents
         )
-    from fla.ops.gated_delta_rule import (
-        chunk_gated_delta_rule as fla_chunk_gated_delta_rule,
-    )
+    fla_chunk_gated_delta_rule = _kernel("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 
     b, s = q.shape[:2]
     varlen = {}
@@ -99,7 +105,7 @@ def gated_delta_rule_step(q, k, v, g, beta, state, scale=None):
     `gated_delta_rule.gated_delta_rule_step` (q [b, h, d_k])."""
     if not _kernel_takes(q):
         return gated_delta_rule.gated_delta_rule_step(q, k, v, g, beta, state, scale)
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    fused_recurrent_gated_delta_rule = _kernel("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule")
 
     o, new_state = fused_recurrent_gated_delta_rule(
         q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],  # [b, 1, h, ...]
@@ -114,7 +120,7 @@ def ssd_chunk_scan(x, dt, A, B, C, D=None, initial_state=None, output_final_stat
     ``seq_idx``); shapes as `ssd.ssd_chunk_scan` (states [b, h, n, p]; mamba's are [b, h, p, n])."""
     if not _kernel_takes(x):
         return ssd.ssd_chunk_scan(x, dt, A, B, C, D, initial_state, output_final_state, chunk_size, documents)
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    mamba_chunk_scan_combined = _kernel("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 
     if initial_state is not None:
         initial_state = initial_state.transpose(-1, -2).contiguous()  # [b, h, p, n]
@@ -134,7 +140,7 @@ def ssd_step(x, dt, A, B, C, state, D=None):
     `ssd.ssd_step` (state [b, h, n, p])."""
     if not _kernel_takes(x):
         return ssd.ssd_step(x, dt, A, B, C, state, D)
-    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    selective_state_update = _kernel("mamba_ssm.ops.triton.selective_state_update", "selective_state_update")
 
     h, p, n = x.shape[1], x.shape[-1], B.shape[-1]
     new_state = state.transpose(-1, -2).clone(memory_format=torch.contiguous_format)  # [b, h, p, n], in place
@@ -244,7 +250,7 @@ def gated_rms_norm(y, gate, weight, eps=1e-5):
     head; shapes as `norm.gated_rms_norm`."""
     if not _kernel_takes(y):
         return norm.gated_rms_norm(y, gate, weight, eps)
-    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+    rmsnorm_fn = _kernel("mamba_ssm.ops.triton.layernorm_gated", "rmsnorm_fn")
 
     *lead, h, d = y.shape
     o = rmsnorm_fn(y.reshape(-1, h * d), weight, None, z=gate.reshape(-1, h * d), eps=eps, group_size=d,

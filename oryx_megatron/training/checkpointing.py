@@ -16,7 +16,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from oryx_megatron.checkpoint import load_common, load_sharded, verify_checkpoint
+from oryx_megatron.checkpoint import FORMAT_VERSION, load_common, load_sharded, verify_checkpoint
 
 OPTIMIZER_FORMAT = "fully_reshardable"  # the distributed optimizer's: loads at any layout (docs/training.md)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": OPTIMIZER_FORMAT}
@@ -174,7 +174,7 @@ def _load_optimizer(optimizer, state: dict) -> None:
 
 def run_state(model_chunks, optimizer, scheduler, loader, iteration: int, extra: Optional[dict] = None) -> dict:
     """What a checkpoint of ``iteration`` holds (every rank's part): the sharded model, optimizer and RNG
-    states, and the common state: iteration, LR schedule, loader, layout and ``extra`` (e.g. the W&B run id;
+    states, and the common state: iteration, LR schedule, loader, layout, ``format_version`` and ``extra`` (e.g. the W&B run id;
     ``compat.megatron`` says where it is written)."""
     state = _sharded_state(model_chunks, optimizer, is_loading=False, with_rng=True)
     state.update(
@@ -182,6 +182,7 @@ def run_state(model_chunks, optimizer, scheduler, loader, iteration: int, extra:
         scheduler=scheduler.state_dict(),
         loader=loader.state_dict(),
         layout=_layout(),
+        format_version=FORMAT_VERSION,
         **(extra or {}),
     )
     return state
