@@ -86,8 +86,8 @@ def test_the_folders_code_needs_torch_and_transformers_only(exported):
 
 def test_a_mixer_from_outside_the_package_is_refused_at_save(single_process_parallel, tmp_path):
     megatron = megatron_model(tiny_args("attention+gla"))
-    with pytest.raises(ValueError, match=r"OryxHFConfig.mixers='attention\+gla': GatedLinearAttention \(tests.mixers.gla\) is "
-                                         r"not a module of oryx-megatron, so a saved folder cannot carry its code"):
+    with pytest.raises(ValueError, match=r"OryxHFConfig.mixers='attention\+gla': GatedLinearAttention "
+                                         r"\(tests.mixers.gla\) is not a module of oryx-megatron, so a saved folder cannot carry its code"):
         converted(megatron, tiny_args("attention+gla")).save_pretrained(tmp_path / "gla")
 
 

@@ -7,7 +7,7 @@ import torch
 from oryx_megatron.config import Mode
 from oryx_megatron.data.schedules import RouterSchedule, parse_schedule
 from oryx_megatron.inference import generate
-from oryx_megatron.inference.routing import ChunkDecisions, route_modes
+from oryx_megatron.inference.routing import chunk_decisions, route_modes
 from oryx_megatron.models.builder import build_model, transformer_config
 from tests.helpers import tiny_args
 
@@ -80,14 +80,14 @@ def test_a_deeper_router_decodes_the_logits_of_its_parallel_all_linear_pass(fami
 
 def test_the_budget_quota_holds_whatever_the_router_wants():
     model, _ = routed_model()
-    decide = ChunkDecisions(model, RouterSchedule(budget=0.25), batch_size=3, device="cpu")
+    decide = chunk_decisions(model, RouterSchedule(budget=0.25), batch_size=3, device="cpu")
     assert decide.threshold == max(0.5, float(model.router.calibration[75]))  # the calibrated (1 - budget) percentile
     modes = decide(torch.full((3, 40), 10.0))  # the router wants attention everywhere
     attention = (modes == Mode.ATTENTION).long()
     chunks = torch.arange(1, 41)
     assert (attention.cumsum(1) <= 0.25 * chunks + 1).all()  # budget x chunks so far + one, at every point
     assert attention.sum(1).tolist() == [11, 11, 11]  # 0.25 x 40 + 1
-    assert ChunkDecisions(model, RouterSchedule(threshold=0.5), 1, "cpu")(torch.tensor([[0.1, -0.1]])).tolist() == [
+    assert chunk_decisions(model, RouterSchedule(threshold=0.5), 1, "cpu")(torch.tensor([[0.1, -0.1]])).tolist() == [
         [Mode.ATTENTION, Mode.LINEAR]]
 
 
@@ -97,13 +97,13 @@ def test_a_budget_never_lowers_the_threshold_below_one_half_and_saves_what_it_do
     want keep the budget, and a later burst it wants spends what they saved."""
     model, _ = routed_model()
     model.router.calibration.copy_(torch.linspace(0, 0.02, 101, dtype=torch.float64))
-    decide = ChunkDecisions(model, RouterSchedule(budget=0.2), batch_size=1, device="cpu")
+    decide = chunk_decisions(model, RouterSchedule(budget=0.2), batch_size=1, device="cpu")
     assert decide.threshold == 0.5
     wants = torch.tensor([[-0.1] * 20 + [1.0] * 10])  # p = 0.48 on 20 chunks, then 0.73 on 10
     modes = decide(wants)[0]
     assert modes[:20].sum() == 0  # saved: the burst reads 6 in a row (0.2 x 26 + 1), then one per 5 chunks
     assert modes[20:].tolist() == [1] * 6 + [0] * 3 + [1]
-    explicit = ChunkDecisions(model, RouterSchedule(budget=0.2, threshold=0.4), batch_size=1, device="cpu")
+    explicit = chunk_decisions(model, RouterSchedule(budget=0.2, threshold=0.4), batch_size=1, device="cpu")
     assert explicit.threshold == 0.4 and explicit(wants)[0][:20].sum() == 5  # asked otherwise: spent first-come
 
 
@@ -135,7 +135,7 @@ def test_generation_decides_each_chunk_as_one_routing_pass_over_the_whole_sequen
         if parsed.budget is not None:  # the quota after each chunk, and the reads the router wants without it
             allowed = parsed.budget * torch.arange(1, ids.shape[1] // CHUNK + 1) + 1
             assert ((modes[0, ::CHUNK] == Mode.ATTENTION).cumsum(0) <= allowed).all(), modes[0, ::CHUNK]
-            threshold = ChunkDecisions(model, parsed, 1, "cpu").threshold
+            threshold = chunk_decisions(model, parsed, 1, "cpu").threshold
             wishes = route_modes(model, RouterSchedule(threshold=threshold), ids)
             over_quota |= bool(((wishes[0, ::CHUNK] == Mode.ATTENTION).cumsum(0) > allowed).any())
     assert result.stats.tokens_per_mode["attention"] == attention_tokens > 0  # what generation read: some attention

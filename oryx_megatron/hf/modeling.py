@@ -24,8 +24,8 @@ from transformers.utils import ModelOutput
 from oryx_megatron.config import Mode
 from oryx_megatron.data.documents import document_ids as count_documents
 from oryx_megatron.data.modes import parse_mode
-from oryx_megatron.data.schedules import as_inference_schedule
-from oryx_megatron.hf.cache import OryxCache
+from oryx_megatron.data.schedules import RouterSchedule, as_inference_schedule
+from oryx_megatron.hf.cache import OryxCache, RoutingState
 from oryx_megatron.hf.configuration import OryxHFConfig
 from oryx_megatron.mixer import (
     ChunkRouter,
@@ -35,8 +35,9 @@ from oryx_megatron.mixer import (
     MixerContext,
     OryxMixer,
 )
+from oryx_megatron.mixer.router import ChunkDecisions, advance_routing, allocate_router_cache, route, route_step
 
-ModesArg = Union[None, str, int, Mode, Tensor, np.ndarray]
+ModesArg = Union[None, str, int, Mode, Tensor, np.ndarray, RouterSchedule]
 
 
 class OryxMLP(nn.Module):
@@ -87,13 +88,12 @@ class OryxPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
-        """A no-op: the folder's ``auto_map`` names the modules that re-export this class
-        (``configuration.write_remote_code``), so ``save_pretrained`` must not copy this package's files."""
+        """A no-op: the config's ``save_pretrained`` writes the folder's code (``remote_code.model_code``)."""
 
 
 class OryxModel(OryxPreTrainedModel):
-    """Embedding -> Oryx layers -> final RMSNorm: hidden states [b, s, hidden]; the learned chunk router's weights
-    (carried: this model does not route, docs/hf.md)."""
+    """Embedding -> Oryx layers -> final RMSNorm: hidden states [b, s, hidden]; the learned chunk router, which
+    chooses the modes under a router schedule (``mixer.router``'s routing pass over the first ``router_layers``)."""
 
     def __init__(self, config: OryxHFConfig):
         super().__init__(config)
@@ -125,27 +125,72 @@ class OryxModel(OryxPreTrainedModel):
                 cache.start_documents(cache.last_tokens == eod)  # the token after an EOD starts a document
             if document_ids is None and not decode:
                 document_ids = count_documents(input_ids, eod)
-        context = MixerContext.build(self.config.mixer_config, self._modes(modes, b, s, offset, hidden.device),
-                                     document_ids, decode=decode)
+        if cache is not None and cache.routing is not None:
+            if modes is not None and modes != cache.routing.decisions.schedule:
+                raise ValueError(f"modes={modes!r} given to a cache that routes under "
+                                 f"'{cache.routing.decisions.schedule}'")
+            modes = self._routed_modes(hidden, cache, offset, document_ids)
+        else:
+            modes = self._modes(modes, hidden, offset, document_ids)
+        context = MixerContext.build(self.config.mixer_config, modes, document_ids, decode=decode)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, context, None if cache is None else cache.layers[i])
         if cache is not None and input_ids is not None:
             cache.last_tokens = input_ids[:, -1]
         return self.norm(hidden)
 
-    def _modes(self, modes: ModesArg, b: int, s: int, offset: int, device) -> Union[None, Mode, Tensor]:
-        """``modes`` as a Mode or [b, s]: None -> ``config.default_mode``; a mode name or Mode -> every token; a
-        schedule text -> its modes of the fed positions [offset, offset + s) as one prompt; [s] or [b, s] -> per
-        token. A single-mixer model reads its one mixer whatever ``modes`` says (as megatron's)."""
+    def routing(self, schedule: RouterSchedule, batch_size: int, device, cached: bool = True) -> RoutingState:
+        """The routing state of ``schedule`` for ``batch_size`` sequences (``cached``: of a cache, with the
+        all-linear pass's own caches where the router reads more than one layer)."""
+        decisions = ChunkDecisions(self.router, schedule, self.config.router_config.chunk_size, batch_size, device)
+        dtype = self.embed_tokens.weight.dtype
+        return RoutingState(decisions, allocate_router_cache(self._routed_layers(), batch_size, dtype, device)
+                            if cached else None)
+
+    def _routed_layers(self):
+        return self.layers[: self.config.router_config.layers]
+
+    def _routed_modes(self, hidden: Tensor, cache: OryxCache, offset: int, document_ids: Optional[Tensor]) -> Tensor:
+        """The modes [b, s] of the fed tokens (hidden [b, s, hidden], embedded) under the cache's router schedule,
+        as oryx-generate decides them: the prompt's chunks from one routing pass over it, each later chunk at its
+        first token, before that token's step (``route_step``); every token advances a deeper router's pass."""
+        routing, layers, s = cache.routing, self._routed_layers(), hidden.shape[1]
+        chunk = routing.decisions.chunk_size
+        if offset == 0:
+            routing.decide(route(layers, self.router, hidden, chunk, document_ids, routing.router_cache))
+        elif s != 1:
+            raise ValueError(f"a cache that routes continues one token at a time (generate's decoding); got {s}")
+        elif offset % chunk == 0 and offset // chunk == routing.decisions.decided:
+            routing.decide(route_step(layers, self.router, hidden, cache.layers[0], routing.router_cache))
+        elif routing.router_cache is not None:
+            advance_routing(layers, hidden, routing.router_cache)
+        return routing.modes(offset, offset + s)
+
+    def _modes(self, modes: ModesArg, hidden: Tensor, offset: int, document_ids: Optional[Tensor]
+               ) -> Union[None, Mode, Tensor]:
+        """``modes`` as a Mode or [b, s] for the fed tokens (hidden [b, s, hidden], embedded): None ->
+        ``config.default_mode``; a mode name or Mode -> every token; a schedule text -> its modes of the fed
+        positions [offset, offset + s) as one prompt (a router schedule: one routing pass over them, from position
+        0); [s] or [b, s] -> per token. A single-mixer model reads its one mixer whatever ``modes`` says (as
+        megatron's)."""
         if not self.config.is_multi_mixer:
             return None
+        (b, s), device = hidden.shape[:2], hidden.device
         modes = self.config.default_mode if modes is None else modes
         if isinstance(modes, str):
             try:
                 modes = parse_mode(modes, "modes")
             except ValueError:
-                schedule = as_inference_schedule(modes)
-                modes = schedule.position_modes(offset + s, offset + s)[offset:]
+                modes = as_inference_schedule(modes)
+                if not isinstance(modes, RouterSchedule):
+                    modes = modes.position_modes(offset + s, offset + s)[offset:]
+        if isinstance(modes, RouterSchedule):
+            if offset:
+                raise ValueError(f"modes='{modes}' over a cache: pass the router schedule to generate()")
+            routing = self.routing(modes, b, device, cached=False)
+            routing.decide(route(self._routed_layers(), self.router, hidden, routing.decisions.chunk_size,
+                                 document_ids))
+            return routing.modes(0, s)
         if isinstance(modes, (int, np.integer, Mode)):
             return parse_mode(int(modes), "modes")
         modes = torch.as_tensor(modes, device=device).long()
@@ -155,6 +200,25 @@ class OryxModel(OryxPreTrainedModel):
         for m in torch.unique(modes).tolist():
             parse_mode(int(m), "modes")  # unknown values name themselves
         return modes
+
+
+def padded_documents(mask: Tensor, offset: int, input_ids: Optional[Tensor], eod: Optional[int]) -> Tensor:
+    """document_ids [b, s] of fed tokens whose ``mask`` [b, s] (0: padding) pads each row on the left: the padding
+    one document, each row's first token the start of the next (and, with ``eod``, the token after each EOD one),
+    so that no state, conv or attention read carries anything of the padding into the row. Only a prompt
+    (``offset`` 0) is padded; ValueError for padding on the right or inside a row."""
+    mask = mask.bool()
+    if offset:
+        raise ValueError(f"attention_mask pads tokens fed after position {offset}: only a prompt is padded (left)")
+    if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+        raise ValueError("attention_mask pads on the right or inside a row: an Oryx model takes left padding "
+                         "(tokenizer.padding_side = 'left')")
+    if not bool(mask[:, -1].all()):
+        raise ValueError("attention_mask has a row of padding only")
+    starts = mask & ~F.pad(mask[:, :-1], (1, 0))  # the first token of each row  [b, s]
+    if eod is not None and input_ids is not None:
+        starts |= mask & F.pad(input_ids[:, :-1] == eod, (1, 0))
+    return starts.cumsum(dim=1, dtype=torch.int32)
 
 
 @dataclass
@@ -209,12 +273,16 @@ class OryxForCausalLM(OryxPreTrainedModel, GenerationMixin):
         project's vocabulary (``"all_linear"``, ``"random_chunks chunk_size=64"``: the fed tokens as one
         prompt). ``past_key_values`` (or ``cache``): an ``OryxCache`` the tokens continue; ``use_cache``
         (default ``config.use_cache``, False; generate passes True) makes one when none is given. ``labels``
-        [b, s]: the mean next-token loss (shifted inside).
-        ``attention_mask`` must hold no padding (every token enters the recurrent state)."""
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("attention_mask marks padding: an Oryx model reads every token into its recurrent "
-                             "state; pass unpadded sequences of one length")
+        [b, s]: the mean next-token loss (shifted inside). ``attention_mask`` [b, total] (0: padding): left
+        padding of the prompt, which the model reads as a document of its own before each row's first token
+        (``padded_documents``), so that every row continues as it would alone."""
         cache = cache if cache is not None else past_key_values
+        fed = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if attention_mask is not None and not bool(attention_mask[:, -fed:].bool().all()):
+            if document_ids is not None:
+                raise ValueError("attention_mask with padding and document_ids: give one of them")
+            document_ids = padded_documents(attention_mask[:, -fed:], cache.seqlen if isinstance(cache, OryxCache)
+                                            else 0, input_ids, self.config.reset_at_eod_token_id)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         b = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         if cache is not None and not isinstance(cache, OryxCache):
@@ -224,6 +292,8 @@ class OryxForCausalLM(OryxPreTrainedModel, GenerationMixin):
             cache = None
         if cache is None and use_cache:
             cache = self.allocate_cache(b)
+            if isinstance(modes, RouterSchedule):  # generate's: the cache routes as the tokens come
+                cache.routing = self.model.routing(modes, b, self.model.embed_tokens.weight.device)
         hidden = self.model(input_ids, modes, cache, document_ids, inputs_embeds)
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         loss = None
@@ -240,17 +310,29 @@ class OryxForCausalLM(OryxPreTrainedModel, GenerationMixin):
     def generate(self, inputs: Optional[Tensor] = None, schedule=None, **kwargs):
         """transformers' ``generate`` with ``schedule``: the mode of every fed position, in the project's
         vocabulary (``oryx_megatron.data.schedules``: ``"all_linear"``, ``"prefill=linear
-        decode=attention"``, ``"linear:0-100,attention:100-"``, ...), the prompt being ``inputs``; default: every
-        token reads ``config.default_mode``. A model trained with ``reset_at_eod`` restarts its states after
-        each EOD token, of the prompt or generated."""
-        if schedule is not None:
+        decode=attention"``, ``"linear:0-100,attention:100-"``, ...), the prompt being ``inputs``, or the model's
+        router (``"router budget=0.1"``, ``"router threshold=0.5"``: oryx-generate's decisions, the prompt's
+        chunks at once and each later one at its first token); default: every token reads ``config.default_mode``.
+        A model trained with ``reset_at_eod`` restarts its states after each EOD token, of the prompt or generated.
+        A left-padded batch (``attention_mask``): each row's schedule counts from its first token."""
+        schedule = None if schedule is None else as_inference_schedule(schedule)
+        if isinstance(schedule, RouterSchedule):  # the cache it makes routes (``forward``)
+            mask = kwargs.get("attention_mask")
+            if mask is not None and not bool(mask.bool().all()):
+                raise ValueError(f"schedule '{schedule}' with a padded batch (attention_mask): the router's chunks "
+                                 f"start at each row's first token; generate the rows one at a time")
+            kwargs["modes"] = schedule
+        elif schedule is not None:
             ids = inputs if inputs is not None else kwargs["input_ids"]
             config = kwargs.get("generation_config") or self.generation_config
             new = kwargs.get("max_new_tokens", config.max_new_tokens)
             if new is None:
                 new = kwargs.get("max_length", config.max_length) - ids.shape[1]
-            positions = as_inference_schedule(schedule).position_modes(ids.shape[1], ids.shape[1] + max(new, 1) - 1)
-            kwargs["modes"] = torch.from_numpy(positions).to(ids.device).expand(ids.shape[0], -1).contiguous()
+            mask = kwargs.get("attention_mask")
+            lengths = [ids.shape[1]] * ids.shape[0] if mask is None else mask.sum(dim=1).tolist()
+            kwargs["modes"] = torch.stack([  # each row's schedule from its own first token (left padding: before it)
+                F.pad(torch.from_numpy(schedule.position_modes(n, n + max(new, 1) - 1)), (ids.shape[1] - n, 0),
+                      value=int(parse_mode(self.config.default_mode, "default_mode"))) for n in lengths]).to(ids.device)
         return super().generate(inputs, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, cache: Optional[OryxCache] = None,
@@ -263,7 +345,9 @@ class OryxForCausalLM(OryxPreTrainedModel, GenerationMixin):
         start = 0 if not isinstance(cache, OryxCache) else cache.seqlen
         inputs = {"input_ids": input_ids[:, start:], "cache": cache, "use_cache": use_cache,
                   "attention_mask": attention_mask}
-        if modes is not None:
+        if isinstance(modes, RouterSchedule):
+            inputs["modes"] = modes
+        elif modes is not None:
             end = input_ids.shape[1]
             if modes.shape[1] < end:
                 modes = torch.cat([modes, modes[:, -1:].expand(-1, end - modes.shape[1])], dim=1)

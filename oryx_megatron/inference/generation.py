@@ -40,7 +40,7 @@ from oryx_megatron.inference.cuda_graphs import decode_step, use_cuda_graphs
 from oryx_megatron.inference.forward import (
     cached_logits, check_model, eval_mode, mode_arg, prompt_documents, reset_documents,
 )
-from oryx_megatron.inference.routing import ChunkDecisions
+from oryx_megatron.inference.routing import ChunkDecisions, chunk_decisions
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
 from oryx_megatron.models.transformer import TransformerBaseline
 
@@ -249,7 +249,7 @@ def generate(
     b = len(batch.lengths)
     routed = isinstance(batch.schedule, RouterSchedule)
     with eval_mode(model):
-        decisions = ChunkDecisions(model, batch.schedule, b, device) if routed else None
+        decisions = chunk_decisions(model, batch.schedule, b, device) if routed else None
         cache = model.allocate_inference_cache(b, dtype, device, capacity=batch.capacity, kv_cache=kv_cache)
         router_cache = model.allocate_router_cache(b, dtype, device, capacity=batch.capacity) if routed else None
         prefill_seconds, decode_seconds, step = _decode(model, batch, sequences, cache, graphs, reset_at_eod,

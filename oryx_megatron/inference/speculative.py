@@ -43,7 +43,7 @@ from oryx_megatron.inference.generation import (
     elapsed,
     schedule_prompts,
 )
-from oryx_megatron.inference.routing import ChunkDecisions
+from oryx_megatron.inference.routing import chunk_decisions
 from oryx_megatron.inference.sampling import Sampler, SamplingParams
 from oryx_megatron.models.transformer import TransformerBaseline
 
@@ -143,7 +143,7 @@ def speculative_generate(
         prompt = batch.tokens[:, :n]
         documents = prompt_documents(prompt, reset_at_eod)
         if isinstance(batch.schedule, RouterSchedule):  # the prompt's chunks as the router decides them
-            decisions = ChunkDecisions(model, batch.schedule, 1, device)
+            decisions = chunk_decisions(model, batch.schedule, 1, device)
             batch.set_chunk_modes(0, decisions(model.route(prompt, decisions.chunk_size, documents)),
                                   decisions.chunk_size)
         first = cached_logits(model, prompt, batch.mode_arg(0, n), caches, last_only=True,

@@ -86,6 +86,38 @@ class ChunkRouter(nn.Module):
         return None if threshold != threshold else threshold
 
 
+class ChunkDecisions:
+    """The decisions of a router schedule (``data.schedules.RouterSchedule``: its ``threshold``, ``budget`` and
+    ``chunk_size``, else ``chunk_size`` of the router's config) for a batch, chunk after chunk, by ``router``:
+    chunk c from its logit and the decisions before it (the budget's quota), never from later logits."""
+
+    def __init__(self, router: Optional[ChunkRouter], schedule, chunk_size: int, batch_size: int, device):
+        if router is None:
+            raise ValueError(f"schedule '{schedule}' needs a model with a router (router.hidden); "
+                             "this one has none")
+        self.schedule = schedule
+        self.chunk_size = schedule.chunk_size or chunk_size
+        self.threshold = schedule.threshold
+        if self.threshold is None:  # a budget alone: its calibrated quantile (if any), at least the router's own 0.5
+            self.threshold = max(ROUTER_THRESHOLD, router.budget_threshold(schedule.budget) or 0.0)
+        self.budget = schedule.budget
+        self.used = torch.zeros(batch_size, dtype=torch.long, device=device)  # chunks that read attention
+        self.decided = 0  # chunks decided so far
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """The modes [b, k] (int8) of the next k chunks from their logits [b, k]."""
+        attend = torch.sigmoid(logits.float()) >= self.threshold  # [b, k]
+        modes = []
+        for j in range(logits.shape[1]):
+            want = attend[:, j]
+            if self.budget is not None:
+                want = want & (self.used + 1 <= self.budget * (self.decided + 1) + 1)
+            self.used += want
+            self.decided += 1
+            modes.append(torch.where(want, Mode.ATTENTION, Mode.LINEAR))
+        return torch.stack(modes, dim=1).to(torch.int8)
+
+
 def route(layers: Sequence[nn.Module], router: nn.Module, hidden: Tensor, chunk_size: int,
           document_ids: Optional[Tensor] = None, router_cache: Optional[List[MixerCache]] = None) -> Tensor:
     """The router's logits [b, ceil(s / chunk_size)] that chunk c (starting at c * chunk_size) reads attention, from
