@@ -57,6 +57,15 @@ def write_shard(job, out: Path, tokenizer: AnyTokenizer, options: InputOptions):
         raise
 
 
+def _one_thread() -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes split the cores, not the tokenizer's threads
+
+
+def _pool(workers: int):
+    """``workers`` processes, each tokenizing with one thread (this process's setting is left as it was)."""
+    return multiprocessing.Pool(workers, initializer=_one_thread)
+
+
 def _remove_partial_shards(out: Path) -> None:
     """The ``.tmp`` files of shards that were being written when a run failed (other workers')."""
     for tmp in out.glob("shard-*.tar.tmp"):
@@ -121,13 +130,14 @@ def _tokenize_corpus(files, out: Path, tokenizer: AnyTokenizer, shard_bytes: int
             shutil.copyfile(tokenizer.path, out / tokenizer_file)
     todo = [(i, plan[i]) for i in range(len(plan)) if i not in done]
     job = functools.partial(write_shard, out=out, tokenizer=tokenizer, options=options)
-    if workers > 1:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker process
+    # Workers take whole shards. With fewer shards to write than workers, processes would idle: this
+    # process writes them, with the tokenizer's own threads (one per core) splitting each batch.
+    workers = min(workers, len(todo))
 
     start, new_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(plan), initial=len(done), unit="shard", desc="tokenize", disable=not progress)
     try:  # the bar is closed before an error propagates: its message gets a line of its own
-        with open(out / PROGRESS, "a") as log, multiprocessing.Pool(workers) if workers > 1 else nullcontext() as pool:
+        with open(out / PROGRESS, "a") as log, _pool(workers) if workers > 1 else nullcontext() as pool:
             for index, shard, counts in pool.imap_unordered(job, todo) if pool else map(job, todo):
                 record = {"index": index, "shard": vars(shard), "counts": dict(counts)}
                 log.write(json.dumps(record) + "\n")

@@ -169,3 +169,18 @@ def test_stdlib_corpus_is_the_interpreters_sources():
     names = {f.name for f in files}
     assert {"os.py", "__init__.py"} <= names and len(files) > 500
     assert not any("site-packages" in f.parts for f in files)
+
+
+def test_bpe_shards_equal_for_any_workers_and_shard_count(tmp_path):
+    """Fewer shards than workers (one process, the tokenizer's threads) and more (a pool of one-thread
+    processes) write the bytes one worker writes; the pool leaves this process's tokenizer threads on."""
+    files, docs = _mixed_corpus(tmp_path)
+    tokenizer = train_bpe(docs, 300, tmp_path / "tokenizer.json")
+    os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    for shard_bytes, shards in ((1 << 20, 1), (700, 9)):
+        runs = {w: tokenize_corpus(files, tmp_path / f"out-{shard_bytes}-{w}", tokenizer, shard_bytes=shard_bytes,
+                                   workers=w, progress=False) for w in (1, 2, 16)}
+        assert [len(m.shards) for m in runs.values()] == [shards] * 3
+        assert _digest(runs[2].root) == _digest(runs[16].root) == _digest(runs[1].root)
+        assert (runs[1].root / "manifest.json").read_text() == (runs[16].root / "manifest.json").read_text()
+    assert "TOKENIZERS_PARALLELISM" not in os.environ
