@@ -68,11 +68,10 @@ def test_a_recipe_names_the_new_mixer_and_its_ops_are_served():
     assert kernels.chunk_gla is OPS["chunk_gla"].torch is chunk_gla and kernels.names["gla_step"] == "torch"
 
 
-def test_checkpoint_and_hf_export_give_the_same_logits(single_process_parallel, tmp_path):
-    """The model-only checkpoint of a run loads it by its recipe's mixers; the exported Hugging Face folder loads
-    it where the class is registered (this process): the same logits."""
-    from transformers import AutoModelForCausalLM
-
+def test_checkpoint_and_hf_model_give_the_same_logits_and_a_folder_is_refused(single_process_parallel, tmp_path):
+    """The model-only checkpoint of a run loads it by its recipe's mixers; the Hugging Face model converted from it
+    (in this process, where the mixer is registered) gives the same logits; saving it as a folder is refused by
+    name, since the folder could not carry the mixer's code (docs/hf.md), and nothing is written."""
     from oryx_megatron.inference.checkpoint import load_model
     from oryx_megatron.interop.hf_convert import hf_config, hf_model, megatron_to_hf, model_args
     from oryx_megatron.run_config import TrainConfig
@@ -95,8 +94,11 @@ def test_checkpoint_and_hf_export_give_the_same_logits(single_process_parallel, 
         assert torch.equal(loaded(ids, modes), want)
 
     config = hf_config(args)
-    hf_model(config, megatron_to_hf(model.state_dict(), config)).save_pretrained(tmp_path / "hf")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    hf = hf_model(config, megatron_to_hf(model.state_dict(), config)).eval()
     assert model_args(hf.config).mixers == MIXERS
     with torch.no_grad():
         assert (hf(ids, modes=modes).logits - want[..., : config.vocab_size]).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match=r"OryxHFConfig.mixers='attention\+gla': GatedLinearAttention "
+                                         r"\(tests.mixers.gla\) is not a module of oryx-megatron"):
+        hf.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
