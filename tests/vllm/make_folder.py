@@ -1,0 +1,45 @@
+"""Write each family's folder as `oryx-export hf` writes it, from a random megatron model, and the greedy tokens
+`oryx-generate`'s engine gives with that model for every prompt and schedule of tests/vllm (run in the project's
+.venv, which has megatron-core; tests/vllm/conftest.py calls it once per session):
+
+    python tests/vllm/make_folder.py OUT     # OUT/<family>/ (a folder) and OUT/expected.json
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from oryx_megatron.inference.generation import generate
+from oryx_megatron.parallel import initialize_parallel
+from tests.test_hf import converted, megatron_model, tiny_args
+
+FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2")
+SCHEDULES = ("all_attention", "all_linear", "prefill=linear decode=attention", "linear_then_attention n_last=20")
+NEW_TOKENS = 32
+
+
+def prompts():
+    """Three prompts: over one chunk of a 64-token prefill budget, under it, and of one token."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (150, 33, 1)]
+
+
+def main(out: str) -> None:
+    initialize_parallel()
+    torch.set_num_threads(1)
+    expected = {"prompts": prompts(), "new_tokens": NEW_TOKENS, "tokens": {}}
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        args = tiny_args(family)
+        megatron = megatron_model(args)
+        converted(megatron, args).save_pretrained(Path(out) / family)
+        expected["tokens"][family] = {
+            schedule: generate(megatron, expected["prompts"], schedule, NEW_TOKENS, vocab_size=args.vocab_size).tokens
+            for schedule in SCHEDULES}
+    (Path(out) / "expected.json").write_text(json.dumps(expected))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
