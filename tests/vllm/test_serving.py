@@ -17,7 +17,7 @@ import pytest
 from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.exceptions import VLLMValidationError
 
-FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2")
+FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer")  # the Transformer: vLLM's own Llama
 DEPLOYMENT = "prefill=linear decode=attention"
 ENGINE = dict(trust_remote_code=True, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
               max_num_batched_tokens=64, enforce_eager=True, gpu_memory_utilization=0.3)
@@ -40,12 +40,15 @@ def served(request, folders):
 
 def test_every_schedule_per_request_in_one_batch_gives_oryx_generates_tokens(served):
     family, llm, expected = served
-    cases = [(schedule, i) for schedule in expected["tokens"][family] for i in range(len(expected["prompts"]))]
-    cases += [(None, i) for i in range(len(expected["prompts"]))]  # the deployment's schedule
+    tokens, rows = expected["tokens"][family], range(len(expected["prompts"]))
+    if family == "transformer":  # no schedule to give: its one mode
+        cases, tokens = [(None, i) for i in rows], {DEPLOYMENT: tokens["all_attention"]}
+    else:
+        cases = [(schedule, i) for schedule in tokens for i in rows] + [(None, i) for i in rows]  # + deployment's
     outputs = llm.generate([TokensPrompt(prompt_token_ids=expected["prompts"][i]) for _, i in cases],
                            [params(expected, schedule) for schedule, _ in cases], use_tqdm=False)
     for (schedule, i), output in zip(cases, outputs):
-        want = expected["tokens"][family][schedule or DEPLOYMENT][i]
+        want = tokens[schedule or DEPLOYMENT][i]
         assert list(output.outputs[0].token_ids) == want, (family, schedule, len(expected["prompts"][i]))
 
 
@@ -56,8 +59,12 @@ def test_every_schedule_per_request_in_one_batch_gives_oryx_generates_tokens(ser
 ])
 def test_a_schedule_that_is_not_served_is_refused_at_admission(served, schedule, message):
     family, llm, expected = served
+    if family == "transformer":
+        with pytest.raises(VLLMValidationError, match="oryx_schedule was given but the served model is not an Oryx"):
+            llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params(expected, schedule), use_tqdm=False)
+        return
     if family != "oryx_tg":
-        pytest.skip("one family is enough: admission does not depend on it")
+        pytest.skip("one Oryx family is enough: admission does not depend on it")
     with pytest.raises(VLLMValidationError, match=message):
         llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params(expected, schedule), use_tqdm=False)
     out = llm.generate([TokensPrompt(prompt_token_ids=expected["prompts"][1])], params(expected), use_tqdm=False)
