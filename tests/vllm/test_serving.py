@@ -52,23 +52,30 @@ def test_every_schedule_per_request_in_one_batch_gives_oryx_generates_tokens(ser
         assert list(output.outputs[0].token_ids) == want, (family, schedule, len(expected["prompts"][i]))
 
 
-@pytest.mark.parametrize("schedule, message", [
+NOT_SERVED = [
     ("sometimes_attention", r"oryx_schedule='sometimes_attention': .*expected a schedule name"),
     ("router budget=0.1", r"oryx_schedule='router budget=0.1': router schedules are not served"),
     ("linear:0-100", r"oryx_schedule='linear:0-100': the last span must be open-ended"),
-])
-def test_a_schedule_that_is_not_served_is_refused_at_admission(served, schedule, message):
+]
+
+
+def test_a_schedule_that_is_not_served_is_refused_at_admission(served):
     family, llm, expected = served
-    if family == "transformer":
-        with pytest.raises(VLLMValidationError, match="oryx_schedule was given but the served model is not an Oryx"):
-            llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params(expected, schedule), use_tqdm=False)
-        return
     if family != "oryx_tg":
         pytest.skip("one Oryx family is enough: admission does not depend on it")
-    with pytest.raises(VLLMValidationError, match=message):
-        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params(expected, schedule), use_tqdm=False)
+    for schedule, message in NOT_SERVED:
+        with pytest.raises(VLLMValidationError, match=message):
+            llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params(expected, schedule), use_tqdm=False)
     out = llm.generate([TokensPrompt(prompt_token_ids=expected["prompts"][1])], params(expected), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == expected["tokens"][family][DEPLOYMENT][1]  # the engine serves on
+
+
+def test_a_schedule_sent_to_a_process_serving_no_oryx_folder_is_refused(monkeypatch):
+    from oryx_vllm import requests
+
+    monkeypatch.setattr(requests, "SERVED", None)  # as in a process whose engine is vLLM's Llama
+    with pytest.raises(requests.OryxServingError, match="oryx_schedule was given but the served model is not an Oryx"):
+        requests.ScheduleTracker.validate_params(params({"new_tokens": 1}, "all_attention"))
 
 
 @pytest.mark.parametrize("settings, message", [

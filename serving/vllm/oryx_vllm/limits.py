@@ -5,7 +5,7 @@ from typing import Any
 
 from vllm.model_executor.models.config import MambaModelConfig
 
-from oryx_vllm.requests import OryxServingError, folder_schedules, parse_schedule
+from oryx_vllm.requests import OryxServingError, parse_schedule, serve
 
 logger = logging.getLogger("oryx_vllm")
 
@@ -24,7 +24,7 @@ class OryxModelConfig(MambaModelConfig):
                            "request (vLLM's default; --no-enable-prefix-caching silences this)")
             vllm_config.cache_config.enable_prefix_caching = False
         check_deployment(vllm_config)
-        serving_schedule(vllm_config.model_config.hf_config, folder_schedules())
+        serving_schedule(vllm_config.model_config.hf_config, serve(vllm_config.model_config.hf_config))
         super().verify_and_update_config(vllm_config)
 
 

@@ -10,7 +10,6 @@ the step. Every schedule text is parsed at admission by the served folder's own 
 a bad one is an HTTP 400 naming it, and nothing reaches the engine."""
 
 import importlib
-import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Dict, Optional
@@ -28,12 +27,23 @@ class OryxServingError(ValueError):
     pass
 
 
-def folder_schedules() -> ModuleType:
-    """The schedules module of the Oryx folder this process serves (its config's package, loaded by vLLM)."""
-    for name in list(sys.modules):
-        if name.endswith(".configuration_oryx"):
-            return importlib.import_module(name.rsplit(".", 1)[0] + ".oryx_data_schedules")
-    raise OryxServingError(f"oryx-vllm: {EXTRA_ARG} was given but the served model is not an Oryx folder")
+SERVED: Optional[ModuleType] = None  # the schedules module of the Oryx folder this process serves (``serve``)
+
+
+def serve(config) -> ModuleType:
+    """Record, at start-up, the folder whose parser admits requests: the ``oryx_data_schedules`` beside the served
+    config's class (its remote-code package). vLLM's admission hook sees a request's parameters only, so the
+    record is per process: one engine per process, as vLLM deploys; an engine of another architecture made later
+    in the same process would still admit ``oryx_schedule`` with this folder's parser, and ignore it."""
+    global SERVED
+    SERVED = importlib.import_module(type(config).__module__.rsplit(".", 1)[0] + ".oryx_data_schedules")
+    return SERVED
+
+
+def served_schedules() -> ModuleType:
+    if SERVED is None:
+        raise OryxServingError(f"oryx-vllm: {EXTRA_ARG} was given but the served model is not an Oryx folder")
+    return SERVED
 
 
 def parse_schedule(text, schedules: ModuleType, where: str = EXTRA_ARG):
@@ -80,7 +90,7 @@ class ScheduleTracker(LogitsProcessor):
     def validate_params(cls, sampling_params: SamplingParams):
         text = (sampling_params.extra_args or {}).get(EXTRA_ARG)
         if text is not None:
-            parse_schedule(text, folder_schedules())
+            parse_schedule(text, served_schedules())
 
     def __init__(self, vllm_config, device, is_pin_memory: bool):
         ROWS.clear()
