@@ -63,3 +63,36 @@ def test_chaos_run_matches_the_uninterrupted_run(tmp_path, options):
     assert json.loads((tmp_path / "chaos.json").read_text())["summary"] == s
     assert "kills inside saves" in (tmp_path / "summary.md").read_text()
     assert "kills landed inside background writes" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_late_driver_cannot_let_the_run_end_with_a_kill_pending(tmp_path, monkeypatch):
+    """The driver misses the whole first attempt (a loaded machine, as in a CI run where a step kill aimed at
+    iteration 7 of 12 reached the trainer after iteration 12 and the two kills after it were never sent): that
+    attempt stops by itself at its cap (train.exit_interval), the next one carries the kill, and the run still
+    ends bitwise equal to the uninterrupted one."""
+    seen = []
+
+    def late(cmd, env, run_dir, ckpt_dir, log_path, kill, *rest):
+        seen.append(kill)
+        return watch.run_attempt(cmd, env, run_dir, ckpt_dir, log_path, None if len(seen) == 1 else kill, *rest)
+
+    monkeypatch.setattr(chaos_train, "run_attempt", late)
+    args = chaos_train.parse_args(["--kills", "1", "--train-iters", "10", "--save-interval", "2", "--seed", "2",
+                                   "--concurrent-reference", "--attempt-timeout", "300", "--out", str(tmp_path)])
+    result = chaos_train.chaos(args)
+    s, (kill,), first = result["summary"], result["kills"], result["attempts"][0]
+    assert (kill["signal"], kill["aim"], kill["target"]) == ("SIGKILL", "step", 1)  # the plan of seed 2
+    assert chaos_train.attempt_cap(chaos_train.Kill(0, "SIGKILL", "step", 1), 0, 10, 2) == first["cap"] == 5
+    assert first["exit_code"] == 0 and first["last_logged"] == first["latest_after"] == 5, first
+    assert s["attempts_stopped_at_cap"] == 1 and kill["attempt"] == 1 and kill["exit_code"] == -9, result
+    assert s["kills_delivered"] == s["kills_survived"] == 1 and s["ok"], result
+    assert s["max_loss_diff"] == 0.0 and s["max_tensor_diff"] == 0.0 and s["iterations_compared"] == 10
+
+
+def test_attempt_cap():
+    kill = chaos_train.Kill(0, "SIGKILL", "save", 7)
+    assert chaos_train.attempt_cap(None, 3, 12, 3) is None  # nothing pending: to the end
+    assert chaos_train.attempt_cap(kill, 3, 12, 3) == 11  # 7 + 2 * 3 = 13, held before 12
+    assert chaos_train.attempt_cap(chaos_train.Kill(0, "SIGKILL", "step", 2), 0, 12, 3) == 8
+    assert chaos_train.attempt_cap(kill, 9, 24, 3) == 15  # past the target: from where it resumes
+    assert chaos_train.attempt_cap(kill, 11, 12, 3) is None  # only the last iteration is left

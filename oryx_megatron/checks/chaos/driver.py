@@ -27,7 +27,10 @@
    signals it (a SIGTERM is followed by SIGCONT). A save or write kill that finds its save outside its aim
    lets the group continue: before its write (no shard file yet) it tries again 2 ms later, past it (the save
    over, or its writers ended) it aims at the next save at once; so it lands where it was aimed: asserted,
-   and required for exit code 0. Whether a kill left an incomplete
+   and required for exit code 0. While a kill is pending, an attempt stops by itself (``train.exit_interval``,
+   saving) at most ``2 * save_interval`` iterations past the kill's target and before ``train_iters`` (``attempt_cap``):
+   a driver that reacts late (a loaded machine) cannot let the run end with kills still planned; the next attempt
+   then carries the kill, armed at once. Whether a kill left an incomplete
    checkpoint is decided after the process died, from the disk: an iteration directory written by this
    attempt that ``latest`` does not name. SIGTERM is sent only once the attempt has logged an iteration (the
    preemption handler is installed).
@@ -121,7 +124,7 @@ def chaos(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     overrides = ([] if args.no_defaults else DEFAULT_OVERRIDES) + list(args.overrides) + [
         f"train.train_iters={args.train_iters}", f"checkpoint.save_interval={args.save_interval}",
-        "checkpoint.save_at_end=true", "checkpoint.load=true", "train.log_interval=1", "train.exit_interval=null",
+        "checkpoint.save_at_end=true", "checkpoint.load=true", "train.log_interval=1",
         f"checkpoint.async_save={str(args.async_save).lower()}"]
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
            "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
@@ -131,7 +134,7 @@ def chaos(args: argparse.Namespace) -> dict:
 
     # 1. the uninterrupted reference
     ref_run, ref_ckpt = out / "reference", out / "reference" / "ckpt"
-    cmd = base + [f"checkpoint.dir={ref_ckpt}", f"hydra.run.dir={ref_run}"]
+    cmd = base + [f"checkpoint.dir={ref_ckpt}", f"hydra.run.dir={ref_run}", "train.exit_interval=null"]
     print(f"reference: {T} iterations, save_interval {S} -> {ref_run}", flush=True)
     ref_proc = None
     if args.concurrent_reference:  # beside the chaos run (2 processes); its timings then come from the chaos run
@@ -154,12 +157,15 @@ def chaos(args: argparse.Namespace) -> dict:
     pending, attempts, failure = list(plan), [], None
     bar = tqdm(total=len(plan), desc="kills", unit="kill", dynamic_ncols=True, file=sys.stdout)
     previous: Optional[Kill] = None
-    for attempt in range(len(plan) + 3):
+    max_attempts = len(plan) + T + 3  # a capped attempt advances at least one iteration
+    for attempt in range(max_attempts):
         run_dir = out / "chaos" / f"attempt_{attempt:02d}"
         log_path = out / "chaos" / f"attempt_{attempt:02d}.log"
         kill = pending[0] if pending else None
         before = latest_iteration(ckpt)
-        cmd = base + [f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}"]
+        cap = attempt_cap(kill, before, T, S)
+        cmd = base + [f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}",
+                      f"train.exit_interval={cap - before if cap is not None else 'null'}"]
         rc, tail, since = run_attempt(cmd, env, run_dir, ckpt, log_path, kill, rng, stats, args.attempt_timeout)
         text = log_path.read_text(errors="replace")
         resumed = RESUMED.search(text)
@@ -168,7 +174,7 @@ def chaos(args: argparse.Namespace) -> dict:
         resumed_from = int(resumed.group(2)) if resumed else (first - 1 if first else 0)
         latest = latest_iteration(ckpt)
         attempts.append({"attempt": attempt, "exit_code": rc, "resumed_from": resumed_from, "first_logged": first,
-                         "last_logged": tail.last if tail.last >= 0 else None, "latest_after": latest,
+                         "last_logged": tail.last if tail.last >= 0 else None, "latest_after": latest, "cap": cap,
                          "leftover_processes": stats.leftovers[-1]})
         if previous is not None:  # did the restart honour the previous kill?
             previous.resumed_from = resumed_from
@@ -209,11 +215,14 @@ def chaos(args: argparse.Namespace) -> dict:
             continue
         if rc == 0 and latest == T:
             break
+        if rc == 0 and kill is not None and not kill.sent and cap is not None and latest == cap:
+            kill.events.append(f"attempt {attempt} stopped at its cap, iteration {cap}, before the kill was sent")
+            continue  # the next attempt carries it
         failure = (f"attempt {attempt} exited with code {rc} (kill planned: {asdict(kill) if kill else None}); "
                    f"see {log_path}:\n" + "\n".join(text.splitlines()[-15:]))
         break
     else:
-        failure = f"the run did not reach iteration {T} after {len(plan) + 3} attempts"
+        failure = f"the run did not reach iteration {T} after {max_attempts} attempts"
     bar.close()
     chaos_s = time.monotonic() - started - reference_s
     if ref_proc is not None:
@@ -247,6 +256,9 @@ def chaos(args: argparse.Namespace) -> dict:
         "sigterm": sum(k.signal == "SIGTERM" for k in done),
         "sigkill": sum(k.signal == "SIGKILL" for k in done),
         "restarts": len(attempts) - 1,
+        # attempts that stopped at their cap before their kill was sent (the driver reacted late): informational
+        "attempts_stopped_at_cap": sum(a["cap"] is not None and a["exit_code"] == 0 and a["latest_after"] == a["cap"]
+                                       for a in attempts),
         "steps_redone": sum(k.redone or 0 for k in done),
         "steps_lost_beyond_save_interval": sum(k.lost_beyond_interval or 0 for k in done),
         "iterations_compared": len(iters),
@@ -284,6 +296,16 @@ def chaos(args: argparse.Namespace) -> dict:
     return result
 
 
+def attempt_cap(kill: Optional[Kill], before: int, T: int, S: int) -> Optional[int]:
+    """The iteration at which an attempt resuming from ``before`` stops by itself while ``kill`` is pending:
+    ``2 * S`` past the kill's target (a step kill lands within a step of it, a save kill within the next two
+    saves), and before ``T`` unless only ``T`` is left; None (no cap) when no kill is pending or it reaches T."""
+    if kill is None:
+        return None
+    cap = min(max(kill.target, before) + 2 * S, T - 1) if before < T - 1 else T
+    return cap if cap < T else None
+
+
 def _check_reference(rc: int, ref_ckpt: Path, T: int, out: Path) -> None:
     if rc != 0 or latest_iteration(ref_ckpt) != T:
         raise SystemExit(f"the reference run failed (exit code {rc}); see {out / 'reference.log'}")
@@ -307,6 +329,7 @@ def summary_table(s: dict, T: int, S: int) -> str:
         ("kills inside saves", s["kills_inside_saves"]),
         ("kills landed inside background writes", s["kills_landed_inside_writes"]),
         ("save / write kills that landed off their aim", s["aimed_kills_off_target"]),
+        ("attempts stopped at their cap before their kill", s["attempts_stopped_at_cap"]),
         ("steps redone", s["steps_redone"]),
         ("steps lost beyond the save interval", s["steps_lost_beyond_save_interval"]),
         ("iterations compared", s["iterations_compared"]),
