@@ -25,8 +25,11 @@ number; nothing else in the project reads megatron-core's version (tests/test_st
 - **The context-parallel batch split** (``batch_on_this_cp_rank``): ``get_batch_on_this_cp_rank(batch, cp_group)``
   up to 0.18; 0.19 adds a required ``is_hybrid_cp`` (hybrid CP, variable CP sizes per sample: not used here) and
   no longer defaults the group to the context-parallel one. Both are given the CP group explicitly.
+- **The GPT layer spec's MLP** (``mlp_submodules``): a ``ModuleSpec(MLP, submodules=...)`` up to 0.18; from 0.19 a
+  ``functools.partial(MLP.as_mlp_submodule, submodules=...)``. Either way its ``MLPSubmodules`` are found.
 """
 
+import functools
 import inspect
 import io
 from pathlib import Path
@@ -108,3 +111,9 @@ def batch_on_this_cp_rank(batch: dict) -> dict:
     if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
         return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
     return get_batch_on_this_cp_rank(batch, cp_group=group)
+
+
+def mlp_submodules(layer_spec):
+    """The ``MLPSubmodules`` (linear_fc1, linear_fc2) of a GPT layer spec's MLP (the module docstring)."""
+    mlp = layer_spec.submodules.mlp
+    return mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from oryx_megatron.compat.megatron import mlp_submodules
 from oryx_megatron.config import ModelArgs, RouterConfig
 from oryx_megatron.config.router import model_router
 from oryx_megatron.layers.config import (
@@ -26,6 +27,7 @@ from oryx_megatron.layers.config import (
     swiglu_defaults,
 )
 from oryx_megatron.layers.gpt_attention import CausalSDPAttention
+from oryx_megatron.layers.linear import ColumnLinear, RowLinear
 from oryx_megatron.layers.norms import RMSNorm
 from oryx_megatron.models.oryx_model import OryxModel
 from oryx_megatron.models.specs import get_oryx_layer_spec
@@ -109,6 +111,10 @@ def _gpt_block_spec(transformer_impl: str, config: TransformerConfig, vp_stage: 
     spec.submodules.pre_mlp_layernorm = RMSNorm
     # SDPA (flash on CUDA) instead of an unfused softmax over a materialised s x s mask.
     spec.submodules.self_attention.submodules.core_attention = CausalSDPAttention
+    # plain F.linear at TP=1 without autograd (layers/linear.py)
+    attention, mlp = spec.submodules.self_attention.submodules, mlp_submodules(spec)
+    attention.linear_qkv, attention.linear_proj = ColumnLinear, RowLinear
+    mlp.linear_fc1, mlp.linear_fc2 = ColumnLinear, RowLinear
     # the block's final norm too (megatron would take WrappedTorchNorm for a layer spec)
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)

@@ -29,6 +29,7 @@ from megatron.core.transformer.utils import (
 from torch import Tensor
 
 from oryx_megatron.layers.config import OryxConfig
+from oryx_megatron.layers.linear import ColumnLinear
 from oryx_megatron.layers.router import ParallelChunkRouter
 from oryx_megatron.models.layer_init import layer_init_rng
 from oryx_megatron.mixer import MixerCache, MixerContext
@@ -131,7 +132,7 @@ class OryxModel(LanguageModule):
             )
         self.decoder = OryxBlock(config, layer_spec, post_process, vp_stage)
         if post_process:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
+            self.output_layer = ColumnLinear(
                 config.hidden_size,
                 vocab_size,
                 config=config,

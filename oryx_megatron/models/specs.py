@@ -1,15 +1,16 @@
 """Layer specs: which module implements each part, per backend.
 
-``local`` runs anywhere (megatron tensor_parallel linears, torch RMSNorm, SDPA);
+``local`` runs anywhere (megatron tensor_parallel linears, plain at TP=1 without autograd: layers/linear.py;
+torch RMSNorm, SDPA);
 ``transformer_engine`` swaps in TE's linears, norm and fused attention without
 touching the model code (CUDA + TE only; its parity check runs on a GPU machine).
 """
 
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from oryx_megatron.layers.attention import TEAttention
+from oryx_megatron.layers.linear import ColumnLinear, RowLinear
 from oryx_megatron.layers.multi_mixer import MultiMixer, MultiMixerSubmodules
 from oryx_megatron.layers.norms import RMSNorm
 from oryx_megatron.layers.oryx_layer import OryxLayer, OryxLayerSubmodules
@@ -37,7 +38,7 @@ def _layer_spec(norm, column_linear, row_linear, core_attention) -> ModuleSpec:
 
 
 def get_oryx_layer_local_spec() -> ModuleSpec:
-    return _layer_spec(RMSNorm, ColumnParallelLinear, RowParallelLinear, SDPAttention)
+    return _layer_spec(RMSNorm, ColumnLinear, RowLinear, SDPAttention)
 
 
 def get_oryx_layer_te_spec() -> ModuleSpec:

@@ -1,0 +1,47 @@
+"""megatron's column- and row-parallel linears of the local spec, with a plain ``F.linear`` where nothing is
+parallel and nothing is differentiated (inference at TP=1: a decode step, a prefill, an evaluation).
+
+megatron's forward goes through an autograd Function (``LinearWithGradAccumulationAndAsyncCommunication``), its
+argument checks and the communication calls that are no-ops on one rank: at a decode step of a tiny model that
+costs more than the matrix product. Under autograd, or with more than one tensor-parallel rank, the forward is
+megatron's own. The parameters, their names and checkpoints are megatron's (these are subclasses).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch import Tensor
+
+
+class ColumnLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear``; without autograd at TP=1: (F.linear(x, weight[, bias]), bias if skip_bias_add)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.solo = self.tp_group.size() == 1
+
+    def forward(self, input_: Tensor, weight: Optional[Tensor] = None,
+                runtime_gather_output: Optional[bool] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        if not self.solo or torch.is_grad_enabled():
+            return super().forward(input_, weight, runtime_gather_output)
+        weight = self.weight if weight is None else weight
+        if self.skip_bias_add:
+            return F.linear(input_, weight), self.bias
+        return F.linear(input_, weight, self.bias), None
+
+
+class RowLinear(RowParallelLinear):
+    """``RowParallelLinear``; without autograd at TP=1: (F.linear(x, weight[, bias]), bias if skip_bias_add)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.solo = self.tp_group.size() == 1
+
+    def forward(self, input_: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        if not self.solo or torch.is_grad_enabled():
+            return super().forward(input_)
+        if self.skip_bias_add:
+            return F.linear(input_, self.weight), self.bias
+        return F.linear(input_, self.weight, self.bias), None
