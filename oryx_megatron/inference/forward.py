@@ -5,6 +5,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
+from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
@@ -50,8 +51,8 @@ def cached_logits(model, ids: Tensor, modes: Union[Mode, Tensor], caches, last_o
     logits = model(ids, modes, inference_cache=caches, last_token_logits=last_only, document_ids=document_ids)
     if last_only:
         logits = logits[:, -1:]  # under sequence parallelism the model returns every position
-    if getattr(model, "parallel_output", False):
-        logits = gather_from_tensor_model_parallel_region(logits)  # vocab shards -> full vocab (no-op at TP=1)
+    if getattr(model, "parallel_output", False) and get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)  # vocab shards -> full vocab
     return logits
 
 

@@ -49,4 +49,6 @@ class OryxLayer(MegatronModule):
     def _dropout(self, out: Tensor, bias: Optional[Tensor]) -> Tensor:
         if bias is not None:
             out = out + bias
-        return F.dropout(out, p=self.config.hidden_dropout, training=self.training)
+        if not self.training or self.config.hidden_dropout == 0.0:  # a decode step: no dispatched no-op
+            return out
+        return F.dropout(out, p=self.config.hidden_dropout, training=True)

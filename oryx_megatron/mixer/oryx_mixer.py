@@ -47,11 +47,11 @@ from oryx_megatron.ops import (
     Documents,
     apply_rotary,
     attention_at,
+    compute_dtype,
     decode_attention,
     get_kernels,
     kv_gate,
     rotary_table,
-    upcast,
 )
 
 class OryxMixer(HeadModule):
@@ -158,8 +158,8 @@ class OryxMixer(HeadModule):
         ``decode=True`` (or one Mode). With ``context.readouts`` both mixers read and their reads are appended
         there, [b, 1, h, 2, d_v]. Positions come from the cache's ``position`` tensor and every state is written
         in place: no host synchronisation, so the step can be captured in a CUDA graph."""
-        x = {**self._streams(self._projection(hidden)), **self._hidden_features(hidden)}
-        x = {name: t.squeeze(1) for name, t in x.items()}  # [b, h, width]; cross-head features [b, width]
+        x = self._streams(self._projection(hidden)[:, 0])  # stream -> [b, h, width]
+        x.update({name: t[:, 0] for name, t in self._hidden_features(hidden).items()})  # cross-head: [b, width]
         conv_states = {}
         for name in self.layout.conv_streams:
             b, h, d = x[name].shape
@@ -281,13 +281,18 @@ class OryxMixer(HeadModule):
     def _rotate(self, q: Tensor, k: Tensor, positions: Union[slice, Tensor], length: int) -> Tuple[Tensor, Tensor]:
         """Rotary embedding of q, k [b, s, h, d_k] at ``positions`` (a slice, or [s] on the device) of a shared
         table of at least ``length`` positions (a no-op without rotary)."""
-        return self._rotary(q, positions, length), self._rotary(k, positions, length)
+        if not self.config.attention_rotary:
+            return q, k
+        cos, sin = self._rotary_at(positions, length, q)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def _rotary(self, x: Tensor, positions: Union[slice, Tensor], length: int) -> Tensor:
-        if not self.config.attention_rotary:
-            return x
-        cos, sin = rotary_table(length, self.d_k, self.config.rotary_base, x.device, upcast(x).dtype)
-        return apply_rotary(x, cos[positions], sin[positions])  # cos, sin [s, d_k]
+        return apply_rotary(x, *self._rotary_at(positions, length, x)) if self.config.attention_rotary else x
+
+    def _rotary_at(self, positions: Union[slice, Tensor], length: int, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """cos, sin [s, d_k] at ``positions`` of the shared table (in x's compute dtype)."""
+        cos, sin = rotary_table(length, self.d_k, self.config.rotary_base, x.device, compute_dtype(x))
+        return cos[positions], sin[positions]
 
     @staticmethod
     def _refuse_attention_without_kv_cache(context: MixerContext) -> None:

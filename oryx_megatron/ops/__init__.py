@@ -28,6 +28,7 @@ from .attention import (
     causal_attention,
     decode_attention,
 )
+from .chunking import cast, compute_dtype
 from .conv import causal_conv1d, causal_conv1d_step
 from .documents import Documents
 from .gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
@@ -171,5 +172,7 @@ __all__ = [
     "rotary_cos_sin",
     "rotary_table",
     "upcast",
+    "cast",
+    "compute_dtype",
     "kv_gate",
 ]

@@ -5,8 +5,15 @@ import torch.nn.functional as F
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """dtype of the decay math and the recurrent state: fp32, or fp64 for fp64 inputs."""
-    return torch.promote_types(x.dtype, torch.float32)
+    """dtype of the decay math and the recurrent state: fp32, or fp64 for fp64 inputs (decided in Python: no
+    dispatched type promotion per call of a decode step)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype; x itself when it already is (``Tensor.to`` would be a dispatched no-op, and a one-token step
+    makes dozens of them per layer)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:

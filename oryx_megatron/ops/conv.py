@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .chunking import cast
 from .documents import Documents
 
 
@@ -92,8 +93,8 @@ def causal_conv1d_step(
     Returns:
         y [b, c] and the new state [b, c, w - 1], both in x's dtype.
     """
-    window = torch.cat([state.to(x.dtype), x[..., None]], dim=-1)  # [b, c, w]
+    window = torch.cat([cast(state, x.dtype), x[..., None]], dim=-1)  # [b, c, w]
     y = (window * weight).sum(-1)  # [b, c]
     if bias is not None:
         y = y + bias
-    return _activate(y, activation).to(x.dtype), window[..., 1:]
+    return cast(_activate(y, activation), x.dtype), window[..., 1:]

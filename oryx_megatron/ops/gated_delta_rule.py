@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from .chunking import (
+    cast,
     compute_dtype,
     from_chunks,
     reset_at_document_starts,
@@ -105,10 +106,10 @@ def gated_delta_rule_step(
     """
     out_dtype, dtype = v.dtype, compute_dtype(v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (cast(x, dtype) for x in (q, k, v, g, beta))
 
-    S = state.to(dtype) * g.exp()[..., None, None]  # [b, h, d_k, d_v]
-    u = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", k, S))  # [b, h, d_v]
+    S = cast(state, dtype) * g.exp()[..., None, None]  # [b, h, d_k, d_v]
+    u = beta[..., None] * (v - (k[..., None, :] @ S)[..., 0, :])  # [b, h, d_v]: v - k S
     S = S + k[..., :, None] * u[..., None, :]
-    o = torch.einsum("bhk,bhkv->bhv", q * scale, S)  # [b, h, d_v]
-    return o.to(out_dtype), S
+    o = ((q * scale)[..., None, :] @ S)[..., 0, :]  # [b, h, d_v]: q S
+    return cast(o, out_dtype), S

@@ -4,10 +4,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .chunking import cast, compute_dtype
+
 
 def upcast(x: Tensor) -> Tensor:
     """x in fp32, or in its own dtype when that is wider (fp64 tests)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return cast(x, compute_dtype(x))
 
 
 def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
@@ -22,11 +24,11 @@ def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-5) -
     y32 = upcast(y)
     y32 = y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)
     y32 = y32 * upcast(weight).view(y.shape[-2], y.shape[-1]) * F.silu(upcast(gate))
-    return y32.to(y.dtype)
+    return cast(y32, y.dtype)
 
 
 def kv_gate(x: Tensor, gate_input: Tensor, kind: str) -> Tensor:
     """x * gate(gate_input) in fp32 (or wider), in x's dtype: the multiplicative gate of the shared keys
     and values (``kv_gate``: "sigmoid" or "silu")."""
     gate = torch.sigmoid if kind == "sigmoid" else F.silu
-    return (upcast(x) * gate(upcast(gate_input))).to(x.dtype)
+    return cast(upcast(x) * gate(upcast(gate_input)), x.dtype)

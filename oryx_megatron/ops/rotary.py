@@ -5,6 +5,8 @@ from typing import Tuple
 
 import torch
 
+from .chunking import cast
+
 
 def rotary_cos_sin(
     positions: torch.Tensor, dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32
@@ -40,6 +42,6 @@ def _power_of_two_table(n: int, dim: int, base: float, device: torch.device, dty
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [b, s, h, dim] by cos, sin [s, dim] (or [b, s, dim]), in x's dtype:
     x * cos + rotate_half(x) * sin with rotate_half([x1, x2]) = [-x2, x1]."""
-    cos, sin = (t.to(x.dtype)[..., None, :] for t in (cos, sin))  # [s, 1, dim]
+    cos, sin = (cast(t, x.dtype)[..., None, :] for t in (cos, sin))  # [s, 1, dim]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .chunking import (
+    cast,
     compute_dtype,
     from_chunks,
     reset_at_document_starts,
@@ -96,11 +97,11 @@ def ssd_step(
         y [b, h, p] in x's dtype; new state [b, h, n, p] in fp32 (fp64 for fp64 inputs).
     """
     out_dtype, dtype = x.dtype, compute_dtype(x)
-    x, dt, B, C = (t.to(dtype) for t in (x, dt, B, C))
+    x, dt, B, C = (cast(t, dtype) for t in (x, dt, B, C))
 
-    decay = (dt * A.to(dtype)).exp()[..., None, None]  # [b, h, 1, 1]
-    S = decay * state.to(dtype) + dt[..., None, None] * B[..., :, None] * x[..., None, :]  # [b, h, n, p]
-    y = torch.einsum("bhn,bhnp->bhp", C, S)  # [b, h, p]
+    decay = (dt * cast(A, dtype)).exp()[..., None, None]  # [b, h, 1, 1]
+    S = decay * cast(state, dtype) + dt[..., None, None] * B[..., :, None] * x[..., None, :]  # [b, h, n, p]
+    y = (C[..., None, :] @ S)[..., 0, :]  # [b, h, p]: C S
     if D is not None:
-        y = y + D.to(dtype)[:, None] * x
-    return y.to(out_dtype), S
+        y = y + cast(D, dtype)[:, None] * x
+    return cast(y, out_dtype), S
