@@ -96,3 +96,4 @@ def test_attempt_cap():
     assert chaos_train.attempt_cap(chaos_train.Kill(0, "SIGKILL", "step", 2), 0, 12, 3) == 8
     assert chaos_train.attempt_cap(kill, 9, 24, 3) == 15  # past the target: from where it resumes
     assert chaos_train.attempt_cap(kill, 11, 12, 3) is None  # only the last iteration is left
+    assert chaos_train.attempt_cap(chaos_train.Kill(2, "SIGTERM", "step", 9), 9, 12, 3) is None  # 11 leaves 2 < 3

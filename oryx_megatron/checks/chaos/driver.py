@@ -28,9 +28,10 @@
    lets the group continue: before its write (no shard file yet) it tries again 2 ms later, past it (the save
    over, or its writers ended) it aims at the next save at once; so it lands where it was aimed: asserted,
    and required for exit code 0. While a kill is pending, an attempt stops by itself (``train.exit_interval``,
-   saving) at most ``2 * save_interval`` iterations past the kill's target and before ``train_iters`` (``attempt_cap``):
-   a driver that reacts late (a loaded machine) cannot let the run end with kills still planned; the next attempt
-   then carries the kill, armed at once. Whether a kill left an incomplete
+   saving) ``2 * save_interval`` iterations past the kill's target, and before ``train_iters`` where that leaves
+   the kill a save interval (``attempt_cap``): a driver that reacts late cannot let the run end with kills still
+   planned; the next attempt then carries the kill, armed at once. The trainers run at a lower priority
+   (``watch.TRAINER_NICE``), so that on a loaded machine the driver, polling every 2 ms, is rarely late at all. Whether a kill left an incomplete
    checkpoint is decided after the process died, from the disk: an iteration directory written by this
    attempt that ``latest`` does not name. SIGTERM is sent only once the attempt has logged an iteration (the
    preemption handler is installed).
@@ -76,7 +77,14 @@ from tqdm import tqdm
 
 from oryx_megatron.checks.chaos.compare import compare_checkpoints, loss_curve
 from oryx_megatron.checks.chaos.plan import Kill, plan_kills
-from oryx_megatron.checks.chaos.watch import Stats, latest_iteration, reap_group, run_attempt, written_since
+from oryx_megatron.checks.chaos.watch import (
+    Stats,
+    latest_iteration,
+    reap_group,
+    run_attempt,
+    start_trainer,
+    written_since,
+)
 
 # The tiny Oryx-TG of tests/test_train.py (one layer) on synthetic MQAR: no corpus needed.
 DEFAULT_OVERRIDES = [
@@ -138,8 +146,7 @@ def chaos(args: argparse.Namespace) -> dict:
     print(f"reference: {T} iterations, save_interval {S} -> {ref_run}", flush=True)
     ref_proc = None
     if args.concurrent_reference:  # beside the chaos run (2 processes); its timings then come from the chaos run
-        with open(out / "reference.log", "w") as log:
-            ref_proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        ref_proc = start_trainer(cmd, env, out / "reference.log")
         reference_s = 0.0
     else:
         rc, _, _ = run_attempt(cmd, env, ref_run, ref_ckpt, out / "reference.log", None, rng, stats,
@@ -257,6 +264,7 @@ def chaos(args: argparse.Namespace) -> dict:
         "sigkill": sum(k.signal == "SIGKILL" for k in done),
         "restarts": len(attempts) - 1,
         # attempts that stopped at their cap before their kill was sent (the driver reacted late): informational
+        "driver_max_poll_gap_s": round(stats.max_poll_gap_s, 3),  # informational: how late a kill could be
         "attempts_stopped_at_cap": sum(a["cap"] is not None and a["exit_code"] == 0 and a["latest_after"] == a["cap"]
                                        for a in attempts),
         "steps_redone": sum(k.redone or 0 for k in done),
@@ -299,11 +307,14 @@ def chaos(args: argparse.Namespace) -> dict:
 def attempt_cap(kill: Optional[Kill], before: int, T: int, S: int) -> Optional[int]:
     """The iteration at which an attempt resuming from ``before`` stops by itself while ``kill`` is pending:
     ``2 * S`` past the kill's target (a step kill lands within a step of it, a save kill within the next two
-    saves), and before ``T`` unless only ``T`` is left; None (no cap) when no kill is pending or it reaches T."""
+    saves); past ``T``, at ``T - 1`` when that leaves the kill at least ``S`` iterations (a SIGTERM has to land
+    before the attempt's last step to be a preemption), else None (no cap: to ``T``), as without a pending kill."""
     if kill is None:
         return None
-    cap = min(max(kill.target, before) + 2 * S, T - 1) if before < T - 1 else T
-    return cap if cap < T else None
+    cap = max(kill.target, before) + 2 * S
+    if cap < T:
+        return cap
+    return T - 1 if T - 1 - before >= S else None
 
 
 def _check_reference(rc: int, ref_ckpt: Path, T: int, out: Path) -> None:

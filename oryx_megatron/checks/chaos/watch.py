@@ -17,6 +17,7 @@ from oryx_megatron.checks.chaos.plan import Kill
 POLL_S = 0.002
 EARLY_RETRY_S = 0.002  # a write kill that came before its write began tries again after this
 STOP_WAIT_S = 1.0  # how long SIGSTOP may take to stop the group (a process in uninterruptible I/O stops after it)
+TRAINER_NICE = 10  # the trainers run at a lower priority: on a loaded machine the driver still reacts within a poll
 WRITER_NAME = "oryx-ckpt-write"  # oryx_megatron.training.saving.WRITER_NAME (not imported: keeps the driver light)
 
 
@@ -27,6 +28,7 @@ class Stats:
     first_save_s: List[float] = field(default_factory=list)  # + starting megatron's writer Manager process
     write_s: List[float] = field(default_factory=list)  # async saves' background writes (checkpoint/background_s)
     leftovers: List[int] = field(default_factory=list)  # processes of each attempt's group alive after it ended
+    max_poll_gap_s: float = 0.0  # the longest sleep between two looks at an attempt (POLL_S + being descheduled)
 
     def step_time(self) -> float:
         return sorted(self.step_s)[len(self.step_s) // 2] if self.step_s else 0.05
@@ -138,12 +140,13 @@ def run_attempt(cmd: List[str], env: dict, run_dir: Path, ckpt_dir: Path, log_pa
                 rng: random.Random, stats: Stats, timeout: float) -> Tuple[int, MetricsTail, float]:
     """Run one training process to its end, delivering `kill` when it is armed."""
     since = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_trainer(cmd, env, log_path)
     tail, saves = MetricsTail(run_dir / "metrics.jsonl"), SaveWatch(ckpt_dir, since, stats)
     deadline, fire_at, armed_save, missed = time.monotonic() + timeout, None, None, False
+    looked = time.monotonic()
     try:
         while proc.poll() is None:
+            stats.max_poll_gap_s = max(stats.max_poll_gap_s, time.monotonic() - looked)
             tail.poll()
             saves.poll()
             if kill is not None and not kill.sent:
@@ -167,6 +170,7 @@ def run_attempt(cmd: List[str], env: dict, run_dir: Path, ckpt_dir: Path, log_pa
                 proc.kill()
                 proc.wait()
                 raise TimeoutError(f"{' '.join(cmd)} ran past {timeout:.0f} s; see {log_path}")
+            looked = time.monotonic()
             time.sleep(POLL_S)
     except BaseException:
         if proc.poll() is None:
@@ -181,6 +185,13 @@ def run_attempt(cmd: List[str], env: dict, run_dir: Path, ckpt_dir: Path, log_pa
     stats.step_s += [b - a for a, b in zip(times, times[1:]) if b - a < 1.0]  # not the 1st save's pause
     stats.write_s += [row["checkpoint/background_s"] for row in tail.rows if "checkpoint/background_s" in row]
     return proc.returncode, tail, since
+
+
+def start_trainer(cmd: List[str], env: dict, log_path: Path) -> subprocess.Popen:
+    """A training process in a process group of its own, at TRAINER_NICE, its console to log_path."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: os.nice(TRAINER_NICE))
 
 
 def _fire(kill: Kill, proc: subprocess.Popen, ckpt_dir: Path, since: float, armed_save: Optional[int]) -> str:
