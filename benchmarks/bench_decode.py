@@ -44,9 +44,9 @@ CUDA-only), as its "falling back to its reference PyTorch implementation" warnin
 ``kernels`` package is installed) come only with kernelize, which ``from_pretrained`` would call: the peers are
 built by their constructors, on the CPU, and ``use_kernels`` is checked False (``_torch_path``).
 
-Each row: prefill ms (one cached forward of the prompt; for the peers a forward of the prompt with a new cache),
-decode ms per generated token ((generate - prefill) / (new tokens - 1) for the peers; ``GenerationStats`` for
-ours), and their ratios ours / peer. Repeats interleave ours and the peer's; medians are reported. ``--check``
+Each row: prefill ms (one cached forward of the prompt; for the peers, from ``generate``'s start to its first token),
+decode ms per generated token after the first (``GenerationStats`` for ours; for the peers the clock of a streamer,
+``StepClock``, that ``generate`` hands the prompt and then each new token), and their ratios ours / peer. Repeats interleave ours and the peer's; medians are reported. ``--check``
 exits 1 when a decode ratio exceeds its target (same-weight peers: batch 1 0.8, batch 8 1.0; foreign peers: 1.0).
 """
 
@@ -110,33 +110,37 @@ for line in sys.stdin:
 """
 
 
+class StepClock:
+    """A streamer for transformers' ``generate``: the time of each ``put`` (the prompt, then each new token)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def time_generate(model, prompts, schedule, new: int, **kwargs) -> dict:
-    """A Hugging Face model's greedy ``generate``: its tokens, its prefill ms (a cached forward of the prompt) and its
-    decode ms per token after the first. ``schedule``: a schedule text, per-row modes of every position fed, or None
-    (the model's only mode: LlamaForCausalLM)."""
+    """A Hugging Face model's greedy ``generate``: its tokens, its prefill ms (from the start to its first token) and
+    its decode ms per token after the first, from the clock of a streamer. ``schedule``: a schedule text, per-row modes
+    of every position fed, or None (the model's only mode: LlamaForCausalLM)."""
     ids = torch.tensor(prompts)
     if schedule is None:
-        extra, modes = {}, {}
+        extra = {}
     elif isinstance(schedule, list):  # per-row modes of every position fed (a router's decisions)
         extra = {"modes": torch.tensor(schedule)}
-        modes = {"modes": extra["modes"][:, : ids.shape[1]]}
     else:
-        extra, modes = {"schedule": schedule}, {"modes": as_schedule_modes(schedule, ids.shape)}
+        extra = {"schedule": schedule}
+    clock = StepClock()
     with torch.no_grad():
-        start = time.perf_counter()
-        model(ids, use_cache=True, **modes)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **extra, **kwargs)
-        total = time.perf_counter() - start
-    return dict(tokens=out[:, ids.shape[1]:].tolist(), prefill_ms=prefill * 1e3,
-                decode_ms=(total - prefill) / max(new - 1, 1) * 1e3)
-
-
-def as_schedule_modes(schedule, shape):
-    """The modes [b, prompt] a schedule gives a prompt, for the peer's prefill forward."""
-    positions = as_inference_schedule(schedule).position_modes(shape[1], shape[1])
-    return torch.from_numpy(positions).long().expand(*shape).contiguous()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock,
+                             **extra, **kwargs)
+    start, first, last = clock.times[0], clock.times[1], clock.times[-1]  # the prompt's put, new tokens' puts
+    return dict(tokens=out[:, ids.shape[1]:].tolist(), prefill_ms=(first - start) * 1e3,
+                decode_ms=(last - first) / max(new - 1, 1) * 1e3)
 
 
 class PinnedFrontEnd:
@@ -169,9 +173,7 @@ class PinnedFrontEnd:
 def _worker_source() -> str:
     import inspect
 
-    helpers = inspect.getsource(time_generate) + inspect.getsource(as_schedule_modes)
-    return ("from oryx_megatron.inference.schedules import as_inference_schedule\n" + helpers
-            + WORKER)
+    return inspect.getsource(StepClock) + inspect.getsource(time_generate) + WORKER
 
 
 def extract_pinned(folder: Path) -> None:
