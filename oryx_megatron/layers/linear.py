@@ -15,33 +15,34 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import Tensor
 
 
-class ColumnLinear(ColumnParallelLinear):
-    """``ColumnParallelLinear``; without autograd at TP=1: (F.linear(x, weight[, bias]), bias if skip_bias_add)."""
+class _PlainAtOneRank:
+    """The shared fast path: at TP=1 without autograd, (F.linear(x, weight[, bias]), bias if skip_bias_add)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.solo = self.tp_group.size() == 1
 
-    def forward(self, input_: Tensor, weight: Optional[Tensor] = None,
-                runtime_gather_output: Optional[bool] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def _plain(self, input_: Tensor, weight: Tensor) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        """The plain forward, or None where megatron's own must run (TP > 1, or under autograd)."""
         if not self.solo or torch.is_grad_enabled():
-            return super().forward(input_, weight, runtime_gather_output)
-        weight = self.weight if weight is None else weight
+            return None
         if self.skip_bias_add:
             return F.linear(input_, weight), self.bias
         return F.linear(input_, weight, self.bias), None
 
 
-class RowLinear(RowParallelLinear):
-    """``RowParallelLinear``; without autograd at TP=1: (F.linear(x, weight[, bias]), bias if skip_bias_add)."""
+class ColumnLinear(_PlainAtOneRank, ColumnParallelLinear):
+    """``ColumnParallelLinear``, plain at TP=1 without autograd."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.solo = self.tp_group.size() == 1
+    def forward(self, input_: Tensor, weight: Optional[Tensor] = None,
+                runtime_gather_output: Optional[bool] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        plain = self._plain(input_, self.weight if weight is None else weight)
+        return plain if plain is not None else super().forward(input_, weight, runtime_gather_output)
+
+
+class RowLinear(_PlainAtOneRank, RowParallelLinear):
+    """``RowParallelLinear``, plain at TP=1 without autograd."""
 
     def forward(self, input_: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-        if not self.solo or torch.is_grad_enabled():
-            return super().forward(input_)
-        if self.skip_bias_add:
-            return F.linear(input_, self.weight), self.bias
-        return F.linear(input_, self.weight, self.bias), None
+        plain = self._plain(input_, self.weight)
+        return plain if plain is not None else super().forward(input_)

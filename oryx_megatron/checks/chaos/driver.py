@@ -31,8 +31,8 @@
    saving) ``2 * save_interval`` iterations past the kill's target, and before ``train_iters`` where that leaves
    the kill a save interval (``attempt_cap``): a driver that reacts late cannot let the run end with kills still
    planned; the next attempt then carries the kill, armed at once. The trainers run at a lower priority
-   (``watch.TRAINER_NICE``), so that on a loaded machine the driver, polling every 2 ms, is rarely late at all. Whether a kill left an incomplete
-   checkpoint is decided after the process died, from the disk: an iteration directory written by this
+   (``watch.TRAINER_NICE``), so that on a loaded machine the driver, polling every 2 ms, is rarely late at all.
+   Whether a kill left an incomplete checkpoint is decided after the process died, from the disk: an iteration directory written by this
    attempt that ``latest`` does not name. SIGTERM is sent only once the attempt has logged an iteration (the
    preemption handler is installed).
 3. **Checks** per kill: the next attempt resumes from the checkpoint ``latest`` named when the killed one
@@ -180,9 +180,11 @@ def chaos(args: argparse.Namespace) -> dict:
         # the trainer's "resumed from" line; else the first iteration it logged tells
         resumed_from = int(resumed.group(2)) if resumed else (first - 1 if first else 0)
         latest = latest_iteration(ckpt)
+        # it stopped by itself at its cap before its kill was sent (the driver reacted late): the next one carries it
+        stopped_at_cap = rc == 0 and kill is not None and not kill.sent and cap is not None and latest == cap
         attempts.append({"attempt": attempt, "exit_code": rc, "resumed_from": resumed_from, "first_logged": first,
                          "last_logged": tail.last if tail.last >= 0 else None, "latest_after": latest, "cap": cap,
-                         "leftover_processes": stats.leftovers[-1]})
+                         "stopped_at_cap": stopped_at_cap, "leftover_processes": stats.leftovers[-1]})
         if previous is not None:  # did the restart honour the previous kill?
             previous.resumed_from = resumed_from
             if previous.last_logged is not None:
@@ -222,9 +224,9 @@ def chaos(args: argparse.Namespace) -> dict:
             continue
         if rc == 0 and latest == T:
             break
-        if rc == 0 and kill is not None and not kill.sent and cap is not None and latest == cap:
+        if stopped_at_cap:
             kill.events.append(f"attempt {attempt} stopped at its cap, iteration {cap}, before the kill was sent")
-            continue  # the next attempt carries it
+            continue
         failure = (f"attempt {attempt} exited with code {rc} (kill planned: {asdict(kill) if kill else None}); "
                    f"see {log_path}:\n" + "\n".join(text.splitlines()[-15:]))
         break
@@ -263,10 +265,8 @@ def chaos(args: argparse.Namespace) -> dict:
         "sigterm": sum(k.signal == "SIGTERM" for k in done),
         "sigkill": sum(k.signal == "SIGKILL" for k in done),
         "restarts": len(attempts) - 1,
-        # attempts that stopped at their cap before their kill was sent (the driver reacted late): informational
         "driver_max_poll_gap_s": round(stats.max_poll_gap_s, 3),  # informational: how late a kill could be
-        "attempts_stopped_at_cap": sum(a["cap"] is not None and a["exit_code"] == 0 and a["latest_after"] == a["cap"]
-                                       for a in attempts),
+        "attempts_stopped_at_cap": sum(a["stopped_at_cap"] for a in attempts),  # informational: the driver was late
         "steps_redone": sum(k.redone or 0 for k in done),
         "steps_lost_beyond_save_interval": sum(k.lost_beyond_interval or 0 for k in done),
         "iterations_compared": len(iters),
