@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from oryx_megatron.config import MixerConfigError, ModelArgs, RouterConfig, RouterConfigError
+from oryx_megatron.config.pattern import LayerPatternError, pipeline_segments
 from oryx_megatron.config.router import UNSET, check_router, move_aliases
 from oryx_megatron.data.tasks.mqar import MQARConfig
 from oryx_megatron.mixer import linear_mixer_class
@@ -148,11 +149,16 @@ def load_train_config(cfg: DictConfig) -> TrainConfig:
         run: TrainConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), tree))
         linear_mixer_class(run.model)  # a registered linear mixer
         check_router(run.router, run.model, run.model.num_layers)
+        if run.model.layer_pattern is not None:  # its pipeline segments against the run's stages
+            pipeline_segments(run.model.layer_pattern, run.parallel.pipeline_model_parallel_size
+                              * (run.parallel.virtual_pipeline_model_parallel_size or 1))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key {key!r}: {e.msg if hasattr(e, 'msg') else e}") from None
     except MixerConfigError as e:
         raise ConfigError(f"config key 'model.{e.field}': {e}") from None
+    except LayerPatternError as e:
+        raise ConfigError(f"config key 'model.layer_pattern': {e}") from None
     except RouterConfigError as e:
         raise ConfigError(f"config key '{e.key}': {e}") from None
     _check_values(run)

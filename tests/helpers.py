@@ -24,6 +24,11 @@ def linear_families() -> List[str]:
     return [by_mixers.get(f"attention+{name}", f"attention+{name}") for name in LINEAR_MIXERS]
 
 
+# A layer pattern of every kind of layer (docs/model.md, "Layer patterns"), as the proofs name it beside the families:
+# an Oryx-TM block, attention, Mamba-2, Gated DeltaNet ("<family> <layer_pattern>").
+PATTERN = "oryx_tm O*MG"
+
+
 def linear_mixer_of(family: str) -> str:
     """The linear mixer's name of a ``linear_families`` entry: 'oryx_tg' -> 'gdn', 'attention+gla' -> 'gla'."""
     return FAMILY_MIXERS.get(family, family).split("+")[-1]
@@ -45,19 +50,23 @@ def family_cases(*variants, families=None, ids=None) -> list:
             for variant in (variants[:1] if from_outside(family) else variants)]
 
 
-def recipe_fields(family: str) -> Dict[str, str]:
-    """The ModelArgs fields of a family name, or of mixers ('attention+gla': family 'oryx' with those mixers)."""
+def recipe_fields(family: str) -> Dict[str, object]:
+    """The ModelArgs fields of a family name, of mixers ('attention+gla': family 'oryx' with those mixers), or of a
+    family and a layer pattern ('oryx_tm O*MG', ``PATTERN``: as many layers as letters)."""
+    if " " in family:
+        family, pattern = family.split(" ", 1)
+        return {"family": family, "layer_pattern": pattern, "num_layers": len(pattern.replace(" ", ""))}
     return {"family": "oryx", "mixers": family} if "+" in family else {"family": family}
 
 
 def tiny_args(family="oryx_tg", **overrides) -> ModelArgs:
     """A tiny recipe of ``family``: a family name, or the mixers of family 'oryx' ('attention+gla')."""
     fields = dict(
-        **recipe_fields(family), num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16,
+        num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16,
         ffn_hidden_size=128, vocab_size=97, max_sequence_length=128, linear_chunk_size=8,
         kernel_backend="torch",
     )
-    fields.update(overrides)
+    fields.update(recipe_fields(family), **overrides)
     return ModelArgs(**fields)
 
 

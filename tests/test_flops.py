@@ -6,7 +6,7 @@ import torch
 
 from oryx_megatron.models import flops
 from oryx_megatron.models.builder import build_model, transformer_config
-from tests.helpers import tiny_args
+from tests.helpers import PATTERN, tiny_args
 
 SEQ, SEQUENCES = 48, 3
 
@@ -30,7 +30,7 @@ def test_a_tiny_transformer_step_counted_by_hand(tiny):
     matmul = 6 * 90_112 * 48 * 3  # 6 x P x s x n
     attention = 3 * 48**2 * 4 * (16 + 16) * 2 * 3  # 3 x s^2 x h x (d_k + d_v) x L x n
     assert (matmul, attention) == (77_856_768, 5_308_416)
-    assert (shape.attention_fraction, shape.linear_scan) == (1.0, False)
+    assert (shape.attention_fraction, shape.scan_layers) == (1.0, 0)
     assert flops.train_step_flops(shape) == matmul + attention
 
 
@@ -46,6 +46,16 @@ def test_an_oryx_model_counts_the_attention_it_reads_and_the_scan_of_every_token
     mamba_config, mamba = tiny["mamba2"]  # no attention at all, whatever the modes say
     shape = flops.step_shape(mamba_config, flops.matmul_params(mamba), SEQ, SEQUENCES, read_fraction=1.0)
     assert flops.attention_flops(shape) == 0 and flops.scan_flops(shape) == scan
+
+
+def test_a_layer_pattern_counts_each_layer_as_its_mixers_do(single_process_parallel):
+    """O*MG at a read fraction of 0.25: attention in the Oryx block (a quarter) and the attention layer (all of
+    it), scans in the Oryx block and the Mamba-2 and GDN layers."""
+    config = transformer_config(tiny_args(PATTERN), params_dtype=torch.float32)
+    shape = flops.step_shape(config, 1000, SEQ, SEQUENCES, read_fraction=0.25)
+    assert (shape.attention_layers, shape.scan_layers, shape.attention_fraction) == (1.25, 3, 1.25 / 4)
+    per_layer_attention, per_layer_scan = 3 * 48**2 * 4 * (16 + 16) * 3, 12 * 48 * 4 * 16 * 16 * 3
+    assert flops.train_step_flops(shape) == 6 * 1000 * 48 * 3 + 1.25 * per_layer_attention + 3 * per_layer_scan
 
 
 def test_matmul_params_see_through_megatrons_wrappers(tiny):

@@ -70,6 +70,11 @@ def recompute_greedy(model, prompt, schedule, max_new):
     ],
 )
 def test_cached_generation_equals_parallel_recompute(model, schedule):
+    assert_cached_generation_equals_recompute(model, schedule)
+
+
+def assert_cached_generation_equals_recompute(model, schedule):
+    """Greedy tokens and logits of ``generate`` (fp64) equal ``recompute_greedy``'s for every prompt."""
     batch = prompts()
     result = generate(model, batch, schedule, MAX_NEW, vocab_size=VOCAB, output_logits=True)
     for i, prompt in enumerate(batch):

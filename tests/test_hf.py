@@ -29,7 +29,7 @@ from oryx_megatron.inference import as_inference_schedule, generate  # noqa: E40
 from oryx_megatron.inference.forward import cached_logits  # noqa: E402
 from oryx_megatron.config.model import FAMILY_MIXERS  # noqa: E402
 from oryx_megatron.models.builder import build_model, transformer_config  # noqa: E402
-from tests.helpers import family_cases, linear_families, recipe_fields  # noqa: E402
+from tests.helpers import PATTERN, family_cases, linear_families, recipe_fields  # noqa: E402
 
 EOD = 256
 # Each family with the options that change the layout (gates, query conv, a shared query, d_v != d_k).
@@ -39,7 +39,9 @@ OPTIONS = {
     "gdn": dict(value_head_dim=48),
     "mamba2": dict(kv_gate="silu"),
 }
+PATTERNS = {PATTERN: dict(family="oryx_tm", layer_pattern="O*MG")}  # on oryx_tm's tiny recipe (4 layers)
 FAMILIES = [*linear_families(), "gdn", "mamba2"]
+MODELS = [*FAMILIES, *PATTERNS]
 SCHEDULES = ("all_attention", "all_linear", "random_chunks chunk_size=16 p_attention=0.5",
              "prefill=linear decode=attention")
 PROMPT, LENGTH = 150, 166  # a prompt over one 128-position query block, then 16 decode steps
@@ -48,6 +50,8 @@ PROMPT, LENGTH = 150, 166  # a prompt over one 128-position query block, then 16
 def tiny_args(family: str, **overrides) -> ModelArgs:
     """The family's tiny recipe (recipes/model/tiny_<family>.yaml; for mixers of family 'oryx',
     'attention+gla', Oryx-TG's with those mixers) with the options of OPTIONS."""
+    if family in PATTERNS:
+        return tiny_args(**{**PATTERNS[family], **overrides})
     name = family if family in FAMILY_MIXERS else "oryx_tg"
     recipe = OmegaConf.to_container(OmegaConf.load(RECIPES_DIR / "model" / f"tiny_{name}.yaml"))
     return ModelArgs(**{**recipe, **recipe_fields(family), "linear_chunk_size": 16, **OPTIONS.get(family, {}),
@@ -74,18 +78,18 @@ def converted(model, args: ModelArgs, dtype=torch.float32, **config):
 def models(single_process_parallel, one_thread):
     torch.manual_seed(0)
     built = {}
-    for family in FAMILIES:
+    for family in MODELS:
         model = megatron_model(tiny_args(family))
         built[family] = (model, converted(model, tiny_args(family)))
     return built
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_stream_layout_is_megatrons(models, family):
     """Both front ends lay the fused projection out from their own config (megatron's OryxConfig, the HF config's
     mixer fields) into the same streams."""
-    megatron, hf = models[family][0].decoder.layers[0].mixer, models[family][1].model.layers[0].mixer
-    assert megatron.layout == hf.layout and megatron.layout.conv_streams
+    for megatron, hf in zip(models[family][0].decoder.layers, models[family][1].model.layers, strict=True):
+        assert megatron.mixer.layout == hf.mixer.layout and megatron.mixer.layout.conv_streams
 
 
 def cached_run(step, ids, modes):
@@ -97,7 +101,9 @@ def cached_run(step, ids, modes):
     return torch.cat(logits, dim=1)
 
 
-@pytest.mark.parametrize("family,schedule", family_cases(SCHEDULES[2], *SCHEDULES[:2], SCHEDULES[3], families=FAMILIES))
+@pytest.mark.parametrize("family,schedule", [
+    *family_cases(SCHEDULES[2], *SCHEDULES[:2], SCHEDULES[3], families=FAMILIES),
+    *(pytest.param(pattern, schedule, id=f"{pattern}-{schedule}") for pattern in PATTERNS for schedule in SCHEDULES)])
 def test_logits_equal_megatrons_under_every_schedule(models, family, schedule):
     megatron, hf = models[family]
     torch.manual_seed(1)
@@ -184,7 +190,7 @@ def test_bf16_model_keeps_the_ssm_scalars_in_fp32(single_process_parallel):
         assert (hf(ids, modes=modes).logits.float() - megatron(ids, modes).float()).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "transformer"])
+@pytest.mark.parametrize("family", [*MODELS, "transformer"])
 def test_weights_convert_both_ways_bit_for_bit(single_process_parallel, family):
     torch.manual_seed(4)
     args = tiny_args(family, share_embeddings_and_output_weights=family != "gdn")  # gdn: an untied output layer

@@ -64,6 +64,8 @@ DIST_OPT = ["optimizer.use_distributed_optimizer=true"]
 # The one-process runs: name -> overrides (tests/test_train.py's tiny model: 2 layers, 4 micro-batches of 2).
 REFERENCES = {name: family(name) for name in ("oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer")}
 REFERENCES["oryx_tm_4_layers"] = family("oryx_tm") + ["model.num_layers=4"]  # a layer per virtual stage
+# every kind of layer, the stages split at '|' (3 + 1 layers) under pipeline parallelism (one process: no split)
+REFERENCES["pattern"] = family("oryx_tm") + ["model.num_layers=4", "model.layer_pattern='O*M|G'"]
 # A covering set, not every family x every layout: every layout of the issue once (CP=2 twice), every family
 # under 3 or 4 layouts, each linear mixer under TP, CP and PP. name -> (processes, reference, overrides).
 LAYOUTS = {
@@ -73,6 +75,7 @@ LAYOUTS = {
     "tp2_sp": (2, "oryx_tg", TP2 + SP),
     "pp2": (2, "mamba2", PP2),
     "pp2_vp2": (2, "oryx_tm_4_layers", PP2 + VP2),
+    "pp2_pattern_distributed_optimizer": (2, "pattern", PP2 + DIST_OPT),
     "cp2": (2, "oryx_tg", CP2),
     "cp2_transformer": (2, "transformer", CP2),
     "cp4": (4, "oryx_tm", CP4),

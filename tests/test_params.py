@@ -81,6 +81,16 @@ def test_a_single_mixer_model_ties_its_whole_mixer():
     assert r["mixer_tied_fraction"] == {"attention": 1.0, "linear": 1.0} and r["mixer_shared_fraction"] == 1.0
 
 
+def test_a_layer_patterns_mixer_fractions_are_its_oryx_blocks():
+    """O*MG: the mixer fractions are those of its one Oryx block, which an all-Oryx model of the same shape has at
+    every layer; its single-mixer layers, read in either mode, raise the whole model's tied fraction."""
+    patterned = parameter_report(load_model_args(["model=tiny_oryx_tm", "model.layer_pattern='O*MG'"]))
+    oryx = parameter_report(load_model_args(["model=tiny_oryx_tm"]))
+    assert patterned["mixer_tied_fraction"] == oryx["mixer_tied_fraction"]
+    assert patterned["counts"]["mixer_attention"] == oryx["counts"]["mixer_attention"] // 4
+    assert patterned["shared_fraction"] > oryx["shared_fraction"]
+
+
 @pytest.mark.parametrize("scale", ["130m", "1_4b"])
 def test_the_mixer_alone_ties_about_80_percent(scale):
     """The >= 90% holds for the whole model only (models/params.py says so)."""

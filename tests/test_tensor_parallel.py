@@ -18,7 +18,7 @@ from oryx_megatron.mixer import MixerContext
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from tests.distributed import run_distributed
-from tests.helpers import build_mixer, from_outside, linear_families, tiny_args
+from tests.helpers import PATTERN, build_mixer, from_outside, linear_families, tiny_args
 
 B, S, HIDDEN, VOCAB = 2, 24, 64, 97
 # (family, sequence parallel): attention with every registered linear mixer, both ways (a mixer from outside the
@@ -142,3 +142,8 @@ def tp_equals_tp1(tmp: str, level: str, cases=CASES, **recipe):
 @pytest.mark.parametrize("level", ["mixer", "model"])
 def test_tensor_parallel_equals_single_rank(tmp_path, level):
     run_distributed(tp_equals_tp1, str(tmp_path), level)
+
+
+def test_a_layer_pattern_at_tensor_parallel_equals_single_rank(tmp_path):
+    """A model of every kind of layer (``PATTERN``) with sequence parallelism and packed documents."""
+    run_distributed(tp_equals_tp1, str(tmp_path), "model", [(PATTERN, True)])

@@ -11,6 +11,7 @@ import sys
 from typing import List, Optional
 
 from oryx_megatron.cli.errors import DEBUG_FLAG, InputError, run_command
+from oryx_megatron.config.pattern import ORYX_BLOCK, pattern_letters
 from oryx_megatron.models.params import COMPONENTS, load_model_args, parameter_report
 
 
@@ -29,6 +30,11 @@ def _main(argv: List[str]) -> int:
           f"heads={args.num_attention_heads} d_k={config.kv_channels} "
           f"d_v={getattr(config, 'value_head_dim', config.kv_channels)} ffn={config.ffn_hidden_size} "
           f"vocab={args.vocab_size} tied_embeddings={args.share_embeddings_and_output_weights}")
+    if args.layer_pattern is not None:
+        letters = pattern_letters(args.layer_pattern)
+        print(f"layer_pattern={args.layer_pattern!r}: " + " ".join(f"{letter}={letters.count(letter)}"
+                                                                   for letter in dict.fromkeys(letters))
+              + " (the mixer fractions below are the Oryx blocks')" * (ORYX_BLOCK in letters))
     print(f"total_params={report['total']:,}")
     for component in COMPONENTS + ("other",):
         if counts.get(component):

@@ -8,9 +8,12 @@ short-conv activation, whether the attention query gets a conv, rotary embedding
 the head dims d_k (``kv_channels``) and d_v (``value_head_dim``).
 """
 
+import copy
 from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Dict, Optional, Tuple
+
+from oryx_megatron.config.pattern import ORYX_BLOCK, LayerPatternError, layer_mixers, pattern_letters
 
 
 class Mode(IntEnum):
@@ -55,6 +58,10 @@ class MixerConfig:
     mixers: str = "attention+gdn"
     """'+'-separated mixers of every layer: 'attention+gdn' (Oryx-TG), 'attention+mamba2' (Oryx-TM), or one
     mixer alone for the single-mixer baselines ('gdn', 'mamba2'); at most one linear mixer."""
+
+    layer_pattern: Optional[str] = None
+    """One letter per layer (config/pattern.py): M Mamba-2, G Gated DeltaNet, * attention, O the Oryx block of
+    ``mixers``; spaces ignored, | between pipeline stages. None: every layer has ``mixers``."""
 
     value_head_dim: Optional[int] = None
     """d_v; defaults to kv_channels (d_k)."""
@@ -111,6 +118,15 @@ class MixerConfig:
                                              "e.g. 'attention+gdn'")
         if sum(m != ATTENTION for m in mixers) > 1:
             raise MixerConfigError("mixers", f"mixers={self.mixers!r}: at most one linear mixer per layer")
+        if self.layer_pattern is not None:
+            try:
+                letters = pattern_letters(self.layer_pattern)
+            except LayerPatternError as e:
+                raise MixerConfigError("layer_pattern", str(e)) from None
+            if ORYX_BLOCK in letters and len(mixers) < 2:
+                raise MixerConfigError("layer_pattern", f"layer_pattern={self.layer_pattern!r}: an Oryx block "
+                                                        f"({ORYX_BLOCK!r}) reads two mixers; mixers={self.mixers!r} "
+                                                        "has one")
         for name in ("hidden_size", "num_attention_heads", "kv_channels", "value_head_dim", "mixer_conv_kernel",
                      "linear_chunk_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -133,6 +149,7 @@ class MixerConfig:
 
     @property
     def mixer_list(self) -> Tuple[str, ...]:
+        """The mixers of an Oryx block (of every layer without a pattern)."""
         return tuple(m.strip() for m in self.mixers.split("+") if m.strip())
 
     @property
@@ -146,7 +163,27 @@ class MixerConfig:
 
     @property
     def is_multi_mixer(self) -> bool:
-        return len(self.mixer_list) > 1
+        """Some layer reads with each token's mode: an Oryx block (``mixers`` of two, and an O in the pattern)."""
+        return len(self.mixer_list) > 1 and (self.layer_pattern is None or ORYX_BLOCK in self.layer_pattern)
+
+    def check_pattern_length(self, num_layers: int, layers_name: str = "num_layers") -> None:
+        """MixerConfigError unless the pattern has one letter per layer (``layers_name``: the front end's name of
+        the layer count)."""
+        letters = None if self.layer_pattern is None else pattern_letters(self.layer_pattern)
+        if letters is not None and len(letters) != num_layers:
+            raise MixerConfigError("layer_pattern", f"layer_pattern={self.layer_pattern!r} has {len(letters)} layers; "
+                                                    f"the model has {layers_name}={num_layers}")
+
+    def layer_config(self, index: int):
+        """The config of layer ``index`` (0-based): a copy whose ``mixers`` are that layer's, without a pattern
+        (``shared_query`` kept by an Oryx block only). Without a pattern, this config."""
+        if self.layer_pattern is None:
+            return self
+        layer = copy.copy(self)
+        layer.mixers = layer_mixers(self.layer_pattern, self.mixers)[index]
+        layer.layer_pattern = None
+        layer.shared_query = self.shared_query and layer.is_multi_mixer
+        return layer
 
     def mixer_fields(self) -> Dict[str, object]:
         """This config's values of MixerConfig's fields (what a front end's config maps)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from oryx_megatron.config.mixer import MixerConfig, MixerConfigError
+from oryx_megatron.config.pattern import pattern_letters
 
 MISSING = "???"  # omegaconf's marker of a mandatory value (omegaconf.MISSING), without importing omegaconf
 
@@ -62,7 +63,12 @@ class ModelArgs(MixerConfig):
             raise MixerConfigError("mixers", f"model.mixers={self.mixers!r}: family {self.family!r} has the mixers "
                                              f"{preset!r}; other mixers are family 'oryx'")
         self.mixers = self.mixers or preset
-        MixerConfig(**self.mixer_fields())
+        MixerConfig(**self.mixer_fields()).check_pattern_length(self.num_layers)
+        if self.is_transformer and self.layer_pattern is not None and set(pattern_letters(self.layer_pattern)) != {"*"}:
+            raise MixerConfigError("layer_pattern", f"layer_pattern={self.layer_pattern!r}: family "
+                                                    "'transformer' is megatron's GPTModel, attention ('*') at every "
+                                                    "layer; a layer-axis hybrid is family mamba2 or gdn, with Oryx "
+                                                    "blocks ('O') oryx_tm or oryx_tg")
 
     @property
     def is_transformer(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Dict, MutableMapping, Optional
 
 from oryx_megatron.config.mixer import MixerConfig
 from oryx_megatron.config.model import ModelArgs
+from oryx_megatron.config.pattern import ORYX_BLOCK, pattern_letters
 
 # RouterConfig's architecture key -> its alias among the model recipe's keys (model.<alias>)
 ALIASES = {"hidden": "router_hidden", "chunk_size": "router_chunk_size", "layers": "router_layers"}
@@ -117,3 +118,8 @@ def check_router(router: RouterConfig, mixer: MixerConfig, num_layers: int, name
     if router.layers > num_layers:
         raise RouterConfigError(names["layers"], f"{names['layers']}={router.layers} exceeds the model's "
                                                  f"num_layers={num_layers}")
+    routed = None if mixer.layer_pattern is None else pattern_letters(mixer.layer_pattern)[: router.layers]
+    if router.hidden is not None and routed is not None and set(routed) != {ORYX_BLOCK}:
+        raise RouterConfigError(names["layers"], f"{names['layers']}={router.layers}: the router reads the model's "
+                                                 f"first layers, which must be Oryx blocks ({ORYX_BLOCK!r}); "
+                                                 f"layer_pattern={mixer.layer_pattern!r} begins {routed!r}")

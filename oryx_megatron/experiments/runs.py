@@ -56,7 +56,7 @@ ADDED_WITH_DEFAULT = {"data": {"reset_at_eod": False, "mqar_query_spans": None, 
                       "parallel": {"context_parallel_size": 1}, "router": {"estimator": "straight_through"},
                       "model": {"router_hidden": None, "router_chunk_size": 128, "router_layers": 1, "mixer_conv_activation": "silu",
                                 "attention_rotary": True, "rotary_base": 10000.0, "A_init_range": [1.0, 16.0],
-                                "dt_min": 0.001, "dt_max": 0.1, "dt_init_floor": 1e-4}}
+                                "dt_min": 0.001, "dt_max": 0.1, "dt_init_floor": 1e-4, "layer_pattern": None}}
 
 
 def run_key(run: TrainConfig) -> str:

@@ -115,6 +115,7 @@ class OryxHFConfig(PretrainedConfig):
     def _check(self) -> None:
         try:
             linear_mixer_class(self.mixer_config)
+            self.mixer_config.check_pattern_length(self.num_hidden_layers, "num_hidden_layers")
         except MixerConfigError as e:
             raise ValueError(f"OryxHFConfig.{hf_name(e.field)}: {e}") from None
         try:

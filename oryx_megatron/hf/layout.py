@@ -74,16 +74,18 @@ def _names(module: torch.nn.Module) -> List[str]:
 
 
 def oryx_rules(config) -> Tuple[Rule, ...]:
-    """The rules of an ``OryxHFConfig``'s model: the mixer's and the router's parameters keep their names (built
-    on the meta device to list them)."""
+    """The rules of an ``OryxHFConfig``'s model: the mixers' and the router's parameters keep their names (every
+    kind of layer's of a layer pattern; built on the meta device to list them)."""
     mixer_config = config.mixer_config
     with torch.device("meta"):
-        mixer = OryxMixer(mixer_config, HeadShard(initialize=False))
+        kinds = {layer.mixers: layer for layer in map(mixer_config.layer_config, range(config.num_hidden_layers))}
+        names = dict.fromkeys(name for layer in kinds.values()
+                              for name in _names(OryxMixer(layer, HeadShard(initialize=False))))
         router = ChunkRouter(mixer_config, config.router_config) if config.router_hidden is not None else None
     return (
         _EMBEDDING,
         Rule("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",)),
-        *(Rule(f"decoder.layers.{{i}}.mixer.{name}", (f"model.layers.{{i}}.mixer.{name}",)) for name in _names(mixer)),
+        *(Rule(f"decoder.layers.{{i}}.mixer.{name}", (f"model.layers.{{i}}.mixer.{name}",)) for name in names),
         Rule("decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.pre_mlp_layernorm.weight",)),
         *_MLP,
         _FINAL_NORM,

@@ -56,10 +56,11 @@ class OryxMLP(nn.Module):
 class OryxDecoderLayer(nn.Module):
     """h = h + mixer(norm(h)); h = h + mlp(norm(h)); the mixer is the project's one ``OryxMixer``."""
 
-    def __init__(self, config: OryxHFConfig):
+    def __init__(self, config: OryxHFConfig, index: int):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mixer = OryxMixer(config.mixer_config, HeadShard(initialize=False))  # _init_weights draws them
+        # the layer's own mixers (layer_pattern); _init_weights draws the weights
+        self.mixer = OryxMixer(config.mixer_config.layer_config(index), HeadShard(initialize=False))
         self.pre_mlp_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = OryxMLP(config)
 
@@ -98,7 +99,7 @@ class OryxModel(OryxPreTrainedModel):
     def __init__(self, config: OryxHFConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(OryxDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(OryxDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         router = config.router_config
         self.router = ChunkRouter(config.mixer_config, router) if router.hidden is not None else None
@@ -133,8 +134,9 @@ class OryxModel(OryxPreTrainedModel):
         else:
             modes = self._modes(modes, hidden, offset, document_ids)
         context = MixerContext.build(self.config.mixer_config, modes, document_ids, decode=decode)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, context, None if cache is None else cache.layers[i])
+        contexts = context.for_layers([layer.mixer.config for layer in self.layers])
+        for i, (layer, layer_context) in enumerate(zip(self.layers, contexts)):
+            hidden = layer(hidden, layer_context, None if cache is None else cache.layers[i])
         if cache is not None and input_ids is not None:
             cache.last_tokens = input_ids[:, -1]
         return self.norm(hidden)

@@ -92,6 +92,7 @@ def model_card(config, model: torch.nn.Module, run: TrainConfig) -> str:
         "| | |", "|---|---|",
         f"| family | {meta['family']} ({getattr(config, 'mixers', 'transformer')}) |",
         f"| parameters | {params:,} |",
+        *([f"| layer pattern | `{config.layer_pattern}` |"] if getattr(config, "layer_pattern", None) else []),
         f"| layers x hidden x heads | {config.num_hidden_layers} x {config.hidden_size} x "
         f"{config.num_attention_heads} |",
         f"| vocab (padded) | {meta['model']['vocab_size']} ({config.vocab_size}) |",

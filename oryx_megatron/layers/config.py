@@ -27,6 +27,7 @@ class OryxConfig(TransformerConfig, MixerConfig):
     def __post_init__(self):
         TransformerConfig.__post_init__(self)
         self.check_mixer_fields()
+        self.check_pattern_length(self.num_layers)
         linear_mixer_class(self)  # a registered linear mixer
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"transformer_impl={self.transformer_impl!r}: expected one of {TRANSFORMER_IMPLS}")

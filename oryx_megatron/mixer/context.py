@@ -3,7 +3,7 @@ megatron hands down ``PackedSeqParams``: the tokens' modes and the mixers they r
 attention read, the router's weights, the packed documents."""
 
 import dataclasses
-from typing import FrozenSet, List, Optional, Union
+from typing import FrozenSet, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -55,8 +55,7 @@ class MixerContext:
         a host sync (both mixers compute, each sequence selects its own: a CUDA graph replays any modes)."""
         documents = None if document_ids is None else Documents(document_ids)
         if not config.is_multi_mixer:
-            mode = Mode.ATTENTION if config.has_attention else Mode.LINEAR
-            return cls(mode, frozenset((mode,)), documents=documents)
+            return cls._one_mixer(config, documents)
         if router_weights is not None:
             hard = torch.where(router_weights.detach() > 0.5, Mode.ATTENTION, Mode.LINEAR).to(torch.int8)
             return cls(hard, frozenset(Mode), router_weights=router_weights, documents=documents)
@@ -72,6 +71,25 @@ class MixerContext:
             mode = next(iter(reads))
             return cls(mode, reads, documents=documents)
         return cls(modes, reads, BlockReads(modes == Mode.ATTENTION, QUERY_BLOCK), documents=documents)
+
+    def for_layers(self, layers: Sequence[MixerConfig]) -> List["MixerContext"]:
+        """The context of each layer of ``layers`` (their configs, ``MixerConfig.layer_config``), derived once
+        per kind of layer (``read_by``)."""
+        kinds = {}
+        for layer in layers:
+            if layer.mixers not in kinds:
+                kinds[layer.mixers] = self.read_by(layer)
+        return [kinds[layer.mixers] for layer in layers]
+
+    def read_by(self, layer: MixerConfig) -> "MixerContext":
+        """The context of a layer with ``layer``'s mixers (``MixerConfig.layer_config``): this one for an Oryx
+        block; a single-mixer layer of a layer pattern reads its one mixer whatever the tokens' modes."""
+        return self if layer.is_multi_mixer else self._one_mixer(layer, self.documents)
+
+    @classmethod
+    def _one_mixer(cls, config: MixerConfig, documents: Optional[Documents]) -> "MixerContext":
+        mode = Mode.ATTENTION if config.has_attention else Mode.LINEAR
+        return cls(mode, frozenset((mode,)), documents=documents)
 
     @property
     def document_ids(self) -> Optional[Tensor]:

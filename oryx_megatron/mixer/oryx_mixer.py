@@ -194,12 +194,13 @@ class OryxMixer(HeadModule):
     def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                                  capacity: Optional[int] = None, kv_cache: bool = True) -> MixerCache:
         """An empty cache: zero conv and recurrent states, KV buffers of ``capacity`` positions in whole blocks
-        (``state.kv_capacity``; grown when exceeded), none at all when ``kv_cache`` is False (linear mode only)."""
+        (``state.kv_capacity``; grown when exceeded), none at all when ``kv_cache`` is False (linear mode only) in an
+        Oryx block; an attention layer of a layer pattern keeps its KV cache whatever ``kv_cache`` says."""
         h, w = self.num_heads, self.config.mixer_conv_kernel
         conv_states = {name: torch.zeros(batch_size, h * self.layout.streams[name], w - 1, dtype=dtype, device=device)
                        for name in self.layout.conv_streams}
         key = value = None
-        if self.layout.attention_query is not None and kv_cache:
+        if self.layout.attention_query is not None and (kv_cache or not self.config.is_multi_mixer):
             capacity = kv_capacity(capacity)
             key = torch.zeros(batch_size, capacity, h, self.d_k, dtype=dtype, device=device)
             value = torch.zeros(batch_size, capacity, h, self.d_v, dtype=dtype, device=device)

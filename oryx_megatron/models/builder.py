@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_block import (
 
 from oryx_megatron.compat.megatron import mlp_submodules
 from oryx_megatron.config import ModelArgs, RouterConfig
+from oryx_megatron.config.pattern import pipeline_segments
 from oryx_megatron.config.router import model_router
 from oryx_megatron.layers.config import (
     OryxConfig,
@@ -56,10 +57,25 @@ def transformer_config(args: ModelArgs, router: Optional[RouterConfig] = None, *
     if not torch.cuda.is_available():
         common.update(cpu_friendly_defaults())
     common.update(parallel)
+    common.update(_pipeline_layout(args, common))
     router = model_router(args, router)
     if args.is_transformer:
         return TransformerConfig(**common)
     return OryxConfig(**{**args.mixer_fields(), **common}, router=router, transformer_impl=args.transformer_impl)
+
+
+def _pipeline_layout(args: ModelArgs, config: dict) -> dict:
+    """megatron's ``pipeline_model_parallel_layout`` (embedding, each stage's decoder layers, loss) where the layer
+    pattern splits the layers at ``|`` (``config.pattern.pipeline_segments``); nothing where megatron splits them
+    evenly."""
+    stages = config.get("pipeline_model_parallel_size", 1) * (config.get("virtual_pipeline_model_parallel_size") or 1)
+    segments = None if args.layer_pattern is None else pipeline_segments(args.layer_pattern, stages)
+    if segments is None:
+        return {}
+    layout = [["decoder"] * n for n in segments]
+    layout[0].insert(0, "embedding")
+    layout[-1].append("loss")
+    return {"pipeline_model_parallel_layout": layout}
 
 
 def padded_vocab_size(args: ModelArgs, tensor_model_parallel_size: int = 1) -> int:

@@ -6,16 +6,16 @@ Per step over n sequences of s tokens, L layers, h heads of d_k (keys, queries) 
     matmul     6 * P * s * n        P = weights of every linear layer, the output layer's included
                                     (tied: the embedding's), not the embedding lookup, norms, convs or
                                     per-head scalars; 6 = 2 (mul-add) x 3 (forward + 2 backward)
-    attention  3 * s^2 * h * (d_k + d_v) * L * n * f
+    attention  3 * s^2 * h * (d_k + d_v) * sum_l f_l * n
                                     = 2 (mul-add) x 3 (fwd + 2 bwd) x s^2/2 (causal half) x h x
-                                    (d_k for QK^T + d_v for PV); f = the fraction of query positions
-                                    that read attention: 1 without a linear mixer (the Transformer, the
-                                    attention-only stack), 0 without attention (Mamba-2, GDN), the
-                                    modes' fraction for an Oryx model (it computes attention only for
-                                    the query blocks that read it)
-    scan       12 * s * h * d_k * d_v * L * n   with a linear mixer, for every token (both memories
-                                    absorb every token) = 2 (state update k v^T and read q^T S) x 2
-                                    (mul-add) x 3 (fwd + 2 bwd) x d_k x d_v per head and token
+                                    (d_k for QK^T + d_v for PV), per layer l weighted by f_l, the fraction
+                                    of its query positions that read attention: 1 in a layer without a
+                                    linear mixer (the Transformer's, a pattern's '*'), 0 in one without
+                                    attention (Mamba-2, GDN), the modes' fraction in an Oryx block (it
+                                    computes attention only for the query blocks that read it)
+    scan       12 * s * h * d_k * d_v * L_lin * n   over the L_lin layers with a linear mixer, for every
+                                    token (both memories absorb every token) = 2 (state update k v^T and
+                                    read q^T S) x 2 (mul-add) x 3 (fwd + 2 bwd) x d_k x d_v per head and token
 
 This is the useful work, not the work done: an Oryx layer computes whole 128-position query blocks
 that hold a reader (a partly read block is credited less than it runs), the chunked scans spend more
@@ -43,8 +43,13 @@ class StepShape:
     d_v: int
     seq: int
     sequences: int  # per step: a micro-batch (the benchmark) or the global batch (training)
-    attention_fraction: float  # of query positions that read attention
-    linear_scan: bool  # a linear mixer scans every token
+    attention_layers: float  # sum over the layers of the fraction of their query positions that read attention
+    scan_layers: int  # layers whose linear mixer scans every token
+
+    @property
+    def attention_fraction(self) -> float:
+        """Of the query positions of every layer, those that read attention."""
+        return self.attention_layers / self.num_layers
 
 
 def matmul_flops(shape: StepShape) -> int:
@@ -53,13 +58,11 @@ def matmul_flops(shape: StepShape) -> int:
 
 def attention_flops(shape: StepShape) -> int:
     per_sequence_layer = 3 * shape.seq**2 * shape.heads * (shape.d_k + shape.d_v)
-    return round(per_sequence_layer * shape.num_layers * shape.sequences * shape.attention_fraction)
+    return round(per_sequence_layer * shape.sequences * shape.attention_layers)
 
 
 def scan_flops(shape: StepShape) -> int:
-    if not shape.linear_scan:
-        return 0
-    return 12 * shape.seq * shape.heads * shape.d_k * shape.d_v * shape.num_layers * shape.sequences
+    return 12 * shape.seq * shape.heads * shape.d_k * shape.d_v * shape.scan_layers * shape.sequences
 
 
 def train_step_flops(shape: StepShape) -> int:
@@ -85,9 +88,10 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 
 def attention_fraction(config, read_fraction: float) -> float:
-    """f of the attention term: 0 without attention, 1 without a linear mixer (every position reads
+    """f of one layer's attention term: 0 without attention, 1 without a linear mixer (every position reads
     attention whatever the modes), else ``read_fraction``, the fraction of query positions whose
-    mode reads attention. ``config``: an OryxConfig, or megatron's TransformerConfig (the baseline)."""
+    mode reads attention. ``config``: a layer's (``OryxConfig.layer_config``), or megatron's TransformerConfig
+    (the baseline)."""
     if not getattr(config, "has_attention", True):
         return 0.0
     if getattr(config, "linear_mixer", None) is None:
@@ -96,10 +100,12 @@ def attention_fraction(config, read_fraction: float) -> float:
 
 
 def step_shape(config, matmul_params: int, seq: int, sequences: int, read_fraction: float) -> StepShape:
-    """The StepShape of ``sequences`` sequences of ``seq`` tokens through the model of ``config``."""
+    """The StepShape of ``sequences`` sequences of ``seq`` tokens through the model of ``config`` (each layer as its
+    mixers are: ``model.layer_pattern``)."""
+    layers = [config.layer_config(i) if hasattr(config, "layer_config") else config for i in range(config.num_layers)]
     return StepShape(
         matmul_params=matmul_params, num_layers=config.num_layers, heads=config.num_attention_heads,
         d_k=config.kv_channels, d_v=getattr(config, "value_head_dim", None) or config.kv_channels, seq=seq,
-        sequences=sequences, attention_fraction=attention_fraction(config, read_fraction),
-        linear_scan=getattr(config, "linear_mixer", None) is not None,
+        sequences=sequences, attention_layers=sum(attention_fraction(layer, read_fraction) for layer in layers),
+        scan_layers=sum(getattr(layer, "linear_mixer", None) is not None for layer in layers),
     )

@@ -37,13 +37,16 @@ from oryx_megatron.mixer import router as routing
 
 
 def _build_layer(layer_spec: ModuleSpec, config: OryxConfig, layer_number: int):
-    """A layer whose initial weights depend only on the seed and its global number (``layer_init_rng``)."""
+    """A layer with its own mixers (``model.layer_pattern``: ``config.layer_config``) whose initial weights depend
+    only on the seed and its global number (``layer_init_rng``)."""
     with layer_init_rng(layer_number):
-        return build_module(layer_spec, config=config, layer_number=layer_number)
+        return build_module(layer_spec, config=config.layer_config(layer_number - 1), layer_number=layer_number)
 
 
 class OryxBlock(MegatronModule):
-    """The layers of this pipeline stage, and the final norm on the last stage."""
+    """The layers of this pipeline stage, and the final norm on the last stage. Under a layer pattern each layer
+    reads the forward's context as its mixers do (``MixerContext.read_by``: an Oryx block the tokens' modes, a
+    single-mixer layer its one mixer), derived once per forward for each kind of layer."""
 
     def __init__(
         self,
@@ -59,6 +62,7 @@ class OryxBlock(MegatronModule):
             _build_layer(layer_spec, config, layer_number=offset + i + 1)
             for i in range(get_num_layers_to_build(config, vp_stage))
         )
+        self.layer_configs = [layer.mixer.config for layer in self.layers]
         self.final_layernorm = None
         if post_process:
             self.final_layernorm = build_module(
@@ -71,13 +75,14 @@ class OryxBlock(MegatronModule):
     def forward(self, hidden_states: Tensor, context: MixerContext,
                 inference_cache: Optional[List[MixerCache]] = None) -> Tensor:
         recompute = self.config.recompute_granularity == "full" and self.training
-        for i, layer in enumerate(self.layers):
+        for i, (layer, layer_context) in enumerate(zip(self.layers, context.for_layers(self.layer_configs))):
             if inference_cache is not None:
-                hidden_states = layer(hidden_states, context, inference_cache[i])
+                hidden_states = layer(hidden_states, layer_context, inference_cache[i])
             elif recompute:  # keep only the layer's input; redo its forward in the backward
-                hidden_states = tensor_parallel.checkpoint(partial(layer, context=context), False, hidden_states)
+                hidden_states = tensor_parallel.checkpoint(partial(layer, context=layer_context), False,
+                                                           hidden_states)
             else:
-                hidden_states = layer(hidden_states, context)
+                hidden_states = layer(hidden_states, layer_context)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

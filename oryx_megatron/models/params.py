@@ -23,6 +23,7 @@ from typing import Dict, List
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from oryx_megatron import RECIPES_DIR
@@ -34,12 +35,17 @@ from oryx_megatron.parallel import initialize_parallel
 COMPONENTS = ("embedding", "router", "mixer", "mlp", "norm", "output_layer")
 
 
+# recipes/oryx_params.yaml lists this schema first in its defaults: every ModelArgs field can be overridden
+# (``model.layer_pattern=...``), not only those the recipe sets.
+ConfigStore.instance().store(name="params_schema", node={"model": OmegaConf.structured(ModelArgs)})
+
+
 def load_model_args(overrides: List[str]) -> ModelArgs:
     """Compose recipes/oryx_params.yaml with Hydra overrides, checked against ModelArgs."""
     with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
         cfg = compose("oryx_params", overrides=overrides)
-    schema = OmegaConf.structured(ModelArgs)
-    return OmegaConf.to_object(OmegaConf.merge(schema, cfg.model))
+    # merged as a plain container: a key that Hydra let in with "+model.key=" is rejected here
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelArgs), OmegaConf.to_container(cfg.model)))
 
 
 def mixer_parameter_counts(mixer: OryxMixer) -> Dict[str, int]:
@@ -62,18 +68,18 @@ def mixer_parameter_counts(mixer: OryxMixer) -> Dict[str, int]:
 
 
 def count_parameters(model: torch.nn.Module) -> Dict[str, int]:
-    """Parameters per component, and per mode for the mixers ('mixer_shared',
-    'mixer_attention', 'mixer_linear')."""
+    """Parameters per component, and per mode for the mixers ('mixer_shared', 'mixer_attention', 'mixer_linear':
+    of the Oryx blocks alone in a layer pattern with some, whose other layers read one mixer in either mode)."""
     counts = Counter()
     for name, param in model.named_parameters():
         component = next(
             (c for c in COMPONENTS if c in name.replace("self_attention", "mixer")), "other"
         )
         counts[component] += param.numel()
-    for module in model.modules():
-        if isinstance(module, OryxMixer):
-            for use, n in mixer_parameter_counts(module).items():
-                counts[f"mixer_{use}"] += n
+    mixers = [module for module in model.modules() if isinstance(module, OryxMixer)]
+    for module in [m for m in mixers if m.config.is_multi_mixer] or mixers:  # a layer pattern's: its Oryx blocks
+        for use, n in mixer_parameter_counts(module).items():
+            counts[f"mixer_{use}"] += n
     if "mixer_shared" not in counts:  # Transformer baseline: one mixer, all of it used
         counts["mixer_shared"] = counts["mixer"]
     return dict(counts)
