@@ -36,7 +36,7 @@ def error_lines(main, argv, capsys):
     (params.main, ["model=nope"], "oryx-params: error: In 'oryx_params': Could not find 'model/nope' (available: "
                                   "gdn_130m, "),
     (params.main, ["model.hidden_sise=64"], "oryx-params: error: Could not override 'model.hidden_sise': Key "
-                                            "'hidden_sise' is not in struct"),
+                                            "'hidden_sise' not in 'ModelArgs'"),
     (params.main, ["--model", "x"], "oryx-params: error: unrecognized argument --model (arguments are overrides "
                                     "such as model=oryx_tg_1_4b)"),
     (prep.main, ["tokenize", "x.txt", "--out", "o", "--shard-size", "0"],
