@@ -41,12 +41,13 @@ EXPERIMENTS = {  # name: (row labels of one model, metrics, plot)
     "routing_small": JOINT_ROUTING,
     "routing_scattered": JOINT_ROUTING,
     "routing_12pairs": JOINT_ROUTING,
+    "e4_axes_small": (RETRIEVAL[0], [*RETRIEVAL[1], "attention_reads"], "accuracy.png"),
     "routing_lm": ({"all_linear", "all_attention", *(f"{kind}@0.2" for kind in ("router", "random", "first", "last",
                                                                               "entropy"))},
                    ["loss", "attention_fraction", "se"], "routing.png"),
 }
 ON_MQAR = ("e1_retrieval", "e3_mode_switch", "a2_sequence_mixing", "routing_small", "routing_scattered",
-           "routing_12pairs")
+           "routing_12pairs", "e4_axes_small")
 # evaluate runs of an earlier experiment (E1's, E2's; routing_12pairs's smoke runs and routers are routing_small's)
 REUSING = ("e3_mode_switch", "niah", "routing_12pairs")
 REUSING_BASE = ("routing_lm",)  # E2's runs, with routers of its own
@@ -102,6 +103,8 @@ def test_smoke_experiment_writes_tables_and_plots(corpus, smoke_out, name):
         chosen = {(s["variant"], s["model"]): s["lr"] for s in results["sweeps"]}
         assert all(r["lr"] == chosen[r["variant"], r["model"]] for r in results["rows"])
         assert "## Learning rate: validation loss" in (out / "results.md").read_text()
+    if exp.model_lrs:  # every run at its model's given rate
+        assert all(r["lr"] == exp.model_lrs[r["model"]] for r in results["rows"])
     if exp.match_params:  # matched parameter counts
         params = {row["model"]: row["params"] for row in results["summary"]}
         assert all(abs(n / params[exp.match_params] - 1) <= 0.02 for n in params.values()), params
@@ -246,6 +249,9 @@ SWEEP = "name: s\nclaim: c\nmodels: [tiny_gdn]\nseeds: [1, 2, 3]\nmetrics: [accu
     ("groups: {data: stdlib}\nlrs: [0.001]\n", r"lrs needs groups.data=mqar .*got 'stdlib'"),
     ("match_params: tiny_oryx_tg\n", r"match_params='tiny_oryx_tg' is not one of models \['tiny_gdn'\]"),
     ("smoke: {lr: [1]}\n", r"smoke.lr is not one of"),
+    ("model_lrs: {tiny_gdn_hybrid4: 0.001}\n", r"model_lrs.tiny_gdn_hybrid4 is not one of models \['tiny_gdn'\]"),
+    ("groups: {data: mqar}\nlrs: [0.001]\nmodel_lrs: {tiny_gdn: 0.001}\n",
+     r"model_lrs.tiny_gdn beside lrs: a model is swept or given its rate, not both"),
 ])
 def test_bad_sweep_settings_are_named(tmp_path, monkeypatch, extra, message):
     (tmp_path / "s.yaml").write_text(SWEEP + extra)

@@ -12,6 +12,7 @@ import torch
 
 from oryx_megatron.config import MixerConfigError, Mode, RouterConfig, RouterConfigError
 from oryx_megatron.config.router import check_router
+from oryx_megatron.eval.ppl import attention_reads
 from oryx_megatron.hf.configuration import OryxHFConfig
 from oryx_megatron.inference import generate
 from oryx_megatron.mixer import MixerContext
@@ -162,3 +163,10 @@ def test_the_hf_config_counts_the_pattern_against_its_layers():
                                          r"has num_hidden_layers=4"):
         OryxHFConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, head_dim=16,
                      mixers="attention+gdn", layer_pattern="O*")
+
+
+@pytest.mark.parametrize("family,reads", [("mamba2 MMM*", 0.25), ("oryx_tm MMMO", 0.3 / 4), ("oryx_tm", 0.3),
+                                          ("gdn", 0.0), ("transformer", 1.0)])
+def test_attention_reads_count_each_layer_as_it_reads(family, reads):
+    """E4's attention compute: of every layer's reads, the share in attention when 30% of the tokens' modes read it."""
+    assert attention_reads(model_of(family), 0.3) == pytest.approx(reads)

@@ -38,6 +38,33 @@ def test_baselines_match_the_oryx_parameter_count(scale):
             assert r["shared_fraction"] == 1.0  # one mixer: every parameter serves its mode
 
 
+# The layer-axis hybrids (recipes/model/<linear>_hybrid<k>_<scale>.yaml: attention at 1 layer in k) and the Oryx
+# recipe of their scale they are matched to; 1 in 8 where the depth has 16 layers or more.
+HYBRIDS = [(f"{linear}_hybrid{k}_{scale}", f"{oryx}_{scale}", k) for linear, oryx in (("mamba2", "oryx_tm"),
+           ("gdn", "oryx_tg")) for scale in SCALES for k in (4, 8) if (k, scale) != (8, "130m")]
+TINY_HYBRIDS = [(f"tiny_{name}_hybrid4", f"tiny_{oryx}") for name, oryx in (("mamba2", "oryx_tm"), ("gdn", "oryx_tg"),
+                ("oryx_tm", "oryx_tm"), ("oryx_tg", "oryx_tg"))]
+
+
+@pytest.mark.parametrize("recipe,oryx,every", HYBRIDS)
+def test_layer_axis_hybrids_match_their_oryx_recipe(recipe, oryx, every):
+    """Within 2% of the Oryx recipe's parameters at its depth, width and heads, attention at every k-th layer."""
+    hybrid, reference = load_model_args([f"model={recipe}"]), load_model_args([f"model={oryx}"])
+    shape = lambda a: (a.num_layers, a.hidden_size, a.num_attention_heads, a.kv_channels)
+    assert shape(hybrid) == shape(reference)
+    letters = hybrid.layer_pattern.replace(" ", "")
+    assert [i for i, letter in enumerate(letters) if letter == "*"] == list(range(every - 1, len(letters), every))
+    assert set(letters) == {"*", {"mamba2": "M", "gdn": "G"}[hybrid.family]}
+    assert abs(parameter_count(hybrid) / parameter_count(reference) - 1) <= 0.02
+
+
+@pytest.mark.parametrize("recipe,oryx", TINY_HYBRIDS)
+def test_tiny_hybrids_match_an_8_layer_tiny_oryx_model(recipe, oryx):
+    hybrid, reference = load_model_args([f"model={recipe}"]), load_model_args([f"model={oryx}", "model.num_layers=8"])
+    assert hybrid.num_layers == 8 and len(hybrid.layer_pattern.replace(" ", "")) == 8
+    assert abs(parameter_count(hybrid) / parameter_count(reference) - 1) <= 0.02
+
+
 def test_cli_prints_shared_fraction_without_allocating_weights():
     script = Path(sys.executable).with_name("oryx-params")
     out = run_cli([script, "model=oryx_tg_1_4b"], check=True).stdout

@@ -27,6 +27,7 @@ from oryx_megatron.data.modes import (
 from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.data.shards import Manifest
 from oryx_megatron.inference.routing import route_modes
+from oryx_megatron.models import flops
 from oryx_megatron.parallel import this_rank_tokens, whole_sequences
 from oryx_megatron.run_config import TrainConfig
 from oryx_megatron.training.builders import build_loader
@@ -112,6 +113,15 @@ def ppl_schedules(run: TrainConfig, attention_last: int) -> Dict[str, ModeSchedu
     }
 
 
+def attention_reads(model, attention_fraction: float) -> float:
+    """Of every layer's reads of the tokens, the share in attention when ``attention_fraction`` of the tokens' modes
+    read it (``models.flops.attention_layers``): the modes' fraction in a model of Oryx blocks, 1 for the
+    Transformer, 0 for Mamba-2 and GDN, and per layer in a layer pattern (``MMM*``: 0.25 whatever the modes):
+    what matches the attention compute of the two axes of hybridization (E4)."""
+    config = model.config
+    return flops.attention_layers(config, attention_fraction) / config.num_layers
+
+
 def _mean(values: Tensor) -> Optional[float]:
     return float(values.mean()) if values.numel() else None
 
@@ -120,8 +130,8 @@ def evaluate_ppl(model, run: TrainConfig, num_batches: int = 8, batch_size: int 
                  attention_last: Optional[int] = None, router: Optional[RouterSchedule] = None) -> dict:
     """Held-out loss and perplexity under each of ``ppl_schedules`` (and ``router``, a router
     schedule); ``attention_last`` (default seq_length // 8) is the attention tail of
-    linear_then_attention. One row per schedule: loss, perplexity = exp(loss), attention_fraction,
-    loss over attention / linear tokens (None when there are none)."""
+    linear_then_attention. One row per schedule: loss, perplexity = exp(loss), attention_fraction (of the tokens'
+    modes), attention_reads, loss over attention / linear tokens (None when there are none)."""
     seq_len = run.data.seq_length
     attention_last = max(seq_len // 8, 1) if attention_last is None else attention_last
     rows = []
@@ -131,8 +141,9 @@ def evaluate_ppl(model, run: TrainConfig, num_batches: int = 8, batch_size: int 
         loss = token_losses(model, batches)
         attention = torch.cat([b["modes"] for b in batches]) == Mode.ATTENTION
         mean = float(loss.mean())
-        rows.append(dict(schedule=name, loss=mean, perplexity=math.exp(mean),
-                         attention_fraction=float(attention.float().mean()),
+        fraction = float(attention.float().mean())
+        rows.append(dict(schedule=name, loss=mean, perplexity=math.exp(mean), attention_fraction=fraction,
+                         attention_reads=attention_reads(model, fraction),
                          loss_attention=_mean(loss[attention]), loss_linear=_mean(loss[~attention])))
     return dict(task="ppl", tokens=num_batches * batch_size * seq_len, seq_length=seq_len,
                 attention_last=attention_last, rows=rows)

@@ -4,7 +4,8 @@ Teacher-forced: one parallel forward per batch of samples; the prediction of an 
 is the argmax of the logits (restricted to the tokenizer's vocab) at the position before it.
 ``accuracy``: samples whose answer tokens are all right; ``token_accuracy``: answer tokens
 right. ``mixed`` is the task's ``mixed_mode_schedule`` (linear context, attention on the
-question/answer span); ``attention_fraction`` is the share of input tokens read in attention.
+question/answer span); ``attention_fraction`` is the share of input tokens whose mode reads attention,
+``attention_reads`` the share of (layer, token) reads in attention (``ppl.attention_reads``).
 
 Ids: keys and values come from the largest id range of the tokenizer that leaves out the EOD
 id; NIAH uses the EOD id as its needle marker, so a held-out haystack (EOD removed between
@@ -22,7 +23,7 @@ from oryx_megatron.config import Mode
 from oryx_megatron.data.modes import ModeSchedule, all_attention, all_linear
 from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.data.tasks import mqar, niah
-from oryx_megatron.eval.ppl import dataset_vocab, heldout_batches
+from oryx_megatron.eval.ppl import attention_reads, dataset_vocab, heldout_batches
 from oryx_megatron.inference.routing import route_modes
 from oryx_megatron.parallel import this_rank_tokens, whole_sequences
 from oryx_megatron.run_config import TrainConfig
@@ -53,8 +54,9 @@ def answer_accuracy(model, sample: Dict[str, np.ndarray], schedule: Union[ModeSc
                                      vocab_size).cpu() == labels[i : i + batch_size]
                          for i in range(0, n, batch_size)])  # bool [n, L]
     right = (correct | ~mask).all(1)  # [n]: every answer token right
+    attention = float((modes == Mode.ATTENTION).float().mean())
     return dict(accuracy=float(right.float().mean()), token_accuracy=float(correct[mask].float().mean()),
-                attention_fraction=float((modes == Mode.ATTENTION).float().mean()))
+                attention_fraction=attention, attention_reads=attention_reads(model, attention))
 
 
 def predictions(model, inputs: Tensor, modes: Tensor, vocab_size: int) -> Tensor:

@@ -50,6 +50,8 @@ class Experiment:
     variants: Optional[Dict[str, Any]] = None  # name -> more oryx-train config; None: one variant, "base"
     match_params: Optional[str] = None  # a model of `models`: the others' ffn_hidden_size matched to its count
     lrs: List[float] = field(default_factory=list)  # optimizer.lr grid swept per (variant, model); []: no sweep
+    model_lrs: Dict[str, float] = field(default_factory=dict)  # model -> its optimizer.lr, not swept (an earlier
+    # experiment's choice for its family)
     sweep_seeds: Optional[List[int]] = None  # seeds of the sweep runs; None: the first of `seeds`
     validation: Validation = field(default_factory=Validation)
     # oryx-train config (nested) of a post-hoc router fitted to every tested run (router=posthoc,
@@ -113,6 +115,11 @@ def check_fairness(exp: Experiment, name: str) -> None:
     where = f"recipes/experiment/{name}.yaml"
     if exp.match_params is not None and exp.match_params not in exp.models:
         raise ValueError(f"{where}: match_params={exp.match_params!r} is not one of models {exp.models}")
+    for model in exp.model_lrs:
+        if model not in exp.models:
+            raise ValueError(f"{where}: model_lrs.{model} is not one of models {exp.models}")
+        if exp.lrs:
+            raise ValueError(f"{where}: model_lrs.{model} beside lrs: a model is swept or given its rate, not both")
     if not exp.lrs:
         return
     if exp.groups.get("data") != "mqar":

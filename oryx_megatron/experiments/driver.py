@@ -43,6 +43,8 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
         widths = width_overrides(exp, base)
         for model in exp.models:
             config = base + widths[model]
+            if model in exp.model_lrs:
+                config = config + lr_overrides(exp.model_lrs[model])
             if exp.lrs:
                 losses = sweep_lr(exp, model, config, out)
                 lr = choose_lr(losses)
@@ -70,7 +72,8 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
     summary = summarize(rows, exp.metrics)
     results = dict(experiment=exp.name, claim=exp.claim, seeds=exp.seeds, train=run_overrides(exp) + extra,
                    variants={k: overrides(v or {}) for k, v in exp.variants.items()}, eval=exp.eval,
-                   match_params=exp.match_params, validation=dataclasses.asdict(exp.validation), sweeps=sweeps,
+                   match_params=exp.match_params, model_lrs=exp.model_lrs,
+                   validation=dataclasses.asdict(exp.validation), sweeps=sweeps,
                    wall_time_s=round(time.perf_counter() - started, 1), summary=summary, rows=rows)
     (exp_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (exp_dir / "results.md").write_text(results_markdown(exp, summary, sweeps))

@@ -102,10 +102,22 @@ def attention_fraction(config, read_fraction: float) -> float:
 def step_shape(config, matmul_params: int, seq: int, sequences: int, read_fraction: float) -> StepShape:
     """The StepShape of ``sequences`` sequences of ``seq`` tokens through the model of ``config`` (each layer as its
     mixers are: ``model.layer_pattern``)."""
-    layers = [config.layer_config(i) if hasattr(config, "layer_config") else config for i in range(config.num_layers)]
     return StepShape(
         matmul_params=matmul_params, num_layers=config.num_layers, heads=config.num_attention_heads,
         d_k=config.kv_channels, d_v=getattr(config, "value_head_dim", None) or config.kv_channels, seq=seq,
-        sequences=sequences, attention_layers=sum(attention_fraction(layer, read_fraction) for layer in layers),
-        scan_layers=sum(getattr(layer, "linear_mixer", None) is not None for layer in layers),
+        sequences=sequences, attention_layers=attention_layers(config, read_fraction),
+        scan_layers=sum(getattr(layer, "linear_mixer", None) is not None for layer in _layers(config)),
     )
+
+
+def attention_layers(config, read_fraction: float) -> float:
+    """The layers of ``config``'s model weighted by the fraction of their query positions that read attention
+    (``attention_fraction`` of each layer's mixers, ``model.layer_pattern``), when the tokens' modes read it at
+    ``read_fraction``; divided by the layers, the share of (layer, token) reads in attention that the evaluations
+    report as ``attention_reads``."""
+    return sum(attention_fraction(layer, read_fraction) for layer in _layers(config))
+
+
+def _layers(config) -> list:
+    """Each layer's config (an OryxConfig's ``layer_config``; the Transformer's layers are all alike)."""
+    return [config.layer_config(i) if hasattr(config, "layer_config") else config for i in range(config.num_layers)]

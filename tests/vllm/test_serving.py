@@ -17,7 +17,8 @@ import pytest
 from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.exceptions import VLLMValidationError
 
-FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer")  # the Transformer: vLLM's own Llama
+# the Transformer: vLLM's own Llama; oryx_tm_pattern: the layer pattern O*MG (an Oryx-TM block, attention, Mamba-2, GDN)
+FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer", "oryx_tm_pattern")
 DEPLOYMENT = "prefill=linear decode=attention"
 ENGINE = dict(trust_remote_code=True, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
               max_num_batched_tokens=64, enforce_eager=True, gpu_memory_utilization=0.3)
@@ -82,8 +83,6 @@ def test_a_schedule_sent_to_a_process_serving_no_oryx_folder_is_refused(monkeypa
     (dict(hf_overrides={"serving_schedule": "router threshold=0.5"}),
      r"serving_schedule='router threshold=0.5': router schedules are not served"),
     (dict(tensor_parallel_size=2), r"tensor_parallel_size=2, pipeline_parallel_size=1: one process serves"),
-    (dict(hf_overrides={"layer_pattern": "O*MG"}), r"layer_pattern='O\*MG': a model whose layers have different "
-                                                   r"mixers is not served yet"),
 ])
 def test_a_deployment_that_is_not_served_is_refused_at_start_up(folders, settings, message):
     root, _ = folders

@@ -39,10 +39,6 @@ def check_deployment(vllm_config) -> None:
     if vllm_config.model_config.enable_prompt_embeds:
         raise OryxServingError("oryx-vllm: enable_prompt_embeds is not supported (a schedule counts prompt tokens)")
     config = vllm_config.model_config.hf_config
-    pattern = getattr(config, "layer_pattern", None)
-    if pattern is not None and set(pattern) - set("O |"):  # Oryx blocks only: every layer alike, as without one
-        raise OryxServingError(f"oryx-vllm: layer_pattern={pattern!r}: a model whose layers have different mixers is "
-                               "not served yet (transformers serves it: docs/serving.md)")
     if getattr(config, "reset_at_eod_token_id", None) is not None:
         raise OryxServingError(f"oryx-vllm: reset_at_eod_token_id={config.reset_at_eod_token_id} (packed "
                                "documents restarting at EOD) is not supported")

@@ -107,24 +107,28 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         metadata = get_forward_context().attn_metadata
         if metadata is None:  # the profiling run: no states yet
             return self.model.norm(hidden)
-        meta = metadata[self.states[0].prefix]
+        # per layer, each request's (begin, end, slot): layers of different state shapes (a layer pattern's) are in
+        # different vLLM cache groups, whose slots of one request differ
+        per_layer = [list(requests(metadata[state.prefix])) for state in self.states]
         out = torch.empty_like(hidden)
-        for row, (begin, end, slot) in enumerate(requests(meta)):
+        for row, (begin, end, _) in enumerate(per_layer[0]):
             start = int(positions[begin])
             modes = ROWS[row].modes(self.core.schedules, self.schedule)
-            out[begin:end] = self._run(hidden[None, begin:end], slot, start, modes)[0]
+            slots = [layer_requests[row][2] for layer_requests in per_layer]
+            out[begin:end] = self._run(hidden[None, begin:end], slots, start, modes)[0]
         return out
 
-    def _run(self, hidden: Tensor, slot: int, start: int, request_modes) -> Tensor:
-        """One request's tokens of this step [1, s, hidden] through every layer with its slot's states;
-        ``request_modes``: int8 [positions] of the whole request (the last one repeated past its end)."""
+    def _run(self, hidden: Tensor, slots: List[int], start: int, request_modes) -> Tensor:
+        """One request's tokens of this step [1, s, hidden] through every layer with its states (in ``slots``, one per
+        layer); ``request_modes``: int8 [positions] of the whole request (the last one repeated past its end)."""
         s = hidden.shape[1]
         modes = request_modes[start:start + s]
         modes = torch.from_numpy(np.pad(modes, (0, s - len(modes)), mode="edge")).long()[None]
         context = self.core.context.MixerContext.build(self.config.mixer_config, modes.to(hidden.device),
                                                        decode=start > 0 and s == 1)
-        for layer, state in zip(self.model.layers, self.states):
-            hidden = layer(hidden, context, state.cache(slot, start))
+        contexts = context.for_layers([layer.mixer.config for layer in self.model.layers])  # a layer pattern's
+        for layer, layer_context, state, slot in zip(self.model.layers, contexts, self.states, slots):
+            hidden = layer(hidden, layer_context, state.cache(slot, start))
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
