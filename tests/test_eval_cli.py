@@ -18,10 +18,10 @@ from oryx_megatron.cli import evaluate, generate
 
 BIN = os.path.dirname(sys.executable)
 TASK_KEYS = {
-    "ppl": {"schedule", "loss", "perplexity", "attention_fraction", "loss_attention", "loss_linear"},
+    "ppl": {"schedule", "loss", "perplexity", "attention_fraction", "attention_reads", "loss_attention", "loss_linear"},
     "mode_switch": {"switch", "target", "loss_after_switch", "loss_target", "tokens_to_converge", "mode_gap"},
-    "mqar": {"schedule", "accuracy", "token_accuracy", "attention_fraction"},
-    "niah": {"schedule", "accuracy", "token_accuracy", "attention_fraction"},
+    "mqar": {"schedule", "accuracy", "token_accuracy", "attention_fraction", "attention_reads"},
+    "niah": {"schedule", "accuracy", "token_accuracy", "attention_fraction", "attention_reads"},
 }
 FAST = ["--num-batches", "2", "--batch-size", "2", "--num-samples", "8"]
 
