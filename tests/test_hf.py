@@ -39,7 +39,7 @@ OPTIONS = {
     "gdn": dict(value_head_dim=48),
     "mamba2": dict(kv_gate="silu"),
 }
-PATTERNS = {PATTERN: dict(family="oryx_tm", layer_pattern="O*MG")}  # on oryx_tm's tiny recipe (4 layers)
+PATTERNS = {PATTERN: recipe_fields(PATTERN)}  # on its family's tiny recipe (4 layers, as many as letters)
 FAMILIES = [*linear_families(), "gdn", "mamba2"]
 MODELS = [*FAMILIES, *PATTERNS]
 SCHEDULES = ("all_attention", "all_linear", "random_chunks chunk_size=16 p_attention=0.5",

@@ -100,6 +100,7 @@ class OryxModel(OryxPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(OryxDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layer_configs = [layer.mixer.config for layer in self.layers]  # what MixerContext.for_layers reads
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         router = config.router_config
         self.router = ChunkRouter(config.mixer_config, router) if router.hidden is not None else None
@@ -134,8 +135,7 @@ class OryxModel(OryxPreTrainedModel):
         else:
             modes = self._modes(modes, hidden, offset, document_ids)
         context = MixerContext.build(self.config.mixer_config, modes, document_ids, decode=decode)
-        contexts = context.for_layers([layer.mixer.config for layer in self.layers])
-        for i, (layer, layer_context) in enumerate(zip(self.layers, contexts)):
+        for i, (layer, layer_context) in enumerate(zip(self.layers, context.for_layers(self.layer_configs))):
             hidden = layer(hidden, layer_context, None if cache is None else cache.layers[i])
         if cache is not None and input_ids is not None:
             cache.last_tokens = input_ids[:, -1]

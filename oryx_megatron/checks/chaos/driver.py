@@ -32,8 +32,8 @@
    the kill a save interval (``attempt_cap``): a driver that reacts late cannot let the run end with kills still
    planned; the next attempt then carries the kill, armed at once. The trainers run at a lower priority
    (``watch.TRAINER_NICE``), so that on a loaded machine the driver, polling every 2 ms, is rarely late at all.
-   Whether a kill left an incomplete checkpoint is decided after the process died, from the disk: an iteration directory written by this
-   attempt that ``latest`` does not name. SIGTERM is sent only once the attempt has logged an iteration (the
+   Whether a kill left an incomplete checkpoint is decided after the process died, from the disk: an iteration
+   directory written by this attempt that ``latest`` does not name. SIGTERM is sent only once the attempt has logged an iteration (the
    preemption handler is installed).
 3. **Checks** per kill: the next attempt resumes from the checkpoint ``latest`` named when the killed one
    died (its "resumed from ... at iteration R" line) and reaches at least its iteration. Steps redone =

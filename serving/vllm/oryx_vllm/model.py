@@ -108,8 +108,13 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         if metadata is None:  # the profiling run: no states yet
             return self.model.norm(hidden)
         # per layer, each request's (begin, end, slot): layers of different state shapes (a layer pattern's) are in
-        # different vLLM cache groups, whose slots of one request differ
-        per_layer = [list(requests(metadata[state.prefix])) for state in self.states]
+        # different vLLM cache groups, whose slots of one request differ; read once per group (its metadata)
+        groups = {}
+        for state in self.states:
+            meta = metadata[state.prefix]
+            if id(meta) not in groups:
+                groups[id(meta)] = list(requests(meta))
+        per_layer = [groups[id(metadata[state.prefix])] for state in self.states]
         out = torch.empty_like(hidden)
         for row, (begin, end, _) in enumerate(per_layer[0]):
             start = int(positions[begin])
@@ -126,7 +131,7 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         modes = torch.from_numpy(np.pad(modes, (0, s - len(modes)), mode="edge")).long()[None]
         context = self.core.context.MixerContext.build(self.config.mixer_config, modes.to(hidden.device),
                                                        decode=start > 0 and s == 1)
-        contexts = context.for_layers([layer.mixer.config for layer in self.model.layers])  # a layer pattern's
+        contexts = context.for_layers(self.model.layer_configs)  # a layer pattern's layers read as their mixers do
         for layer, layer_context, state, slot in zip(self.model.layers, contexts, self.states, slots):
             hidden = layer(hidden, layer_context, state.cache(slot, start))
         return self.model.norm(hidden)
