@@ -1,9 +1,10 @@
 """Per-token decode and prefill time of ``oryx_megatron.inference.generate`` against peers of the same shape.
 
     .venv/bin/python -m benchmarks.bench_decode [--batches 1 8] [--prompt 64] [--new-tokens 96] [--repeats 3] \\
-        [--families transformer oryx_tg ...] [--peers all | same-weights | foreign] [--check]
+        [--families transformer oryx_tg ...] [--peers all | same-weights | foreign] [--scale tiny | 130m] [--check]
 
-Rows (tiny recipes, random weights, fp32, eager, one thread, greedy), at each batch, of both kinds by default.
+Rows (the families' tiny recipes, or with ``--scale 130m`` their ``<family>_130m`` ones; random weights, fp32, eager,
+one thread, greedy), at each batch, of both kinds by default.
 
 Same-weight peers: every family under every schedule it reads (all_attention, all_linear, prefill=linear
 decode=attention, and a router schedule on an Oryx model given a random router, ``router threshold=0.5``). The peer
@@ -84,6 +85,7 @@ FOREIGN = {"mamba2": "mamba2", "oryx_tm": "mamba2", "gdn": "gdn", "oryx_tg": "gd
 FOREIGN_NAMES = {"mamba2": "Mamba2ForCausalLM", "gdn": "Qwen3NextForCausalLM (all GDN)"}
 FOREIGN_SCHEDULE, FOREIGN_TARGET = "all_linear", 1.0  # the rows against a foreign peer, at every batch
 PEERS = ("all", "same-weights", "foreign")
+SCALES = {"tiny": "tiny_{family}", "130m": "{family}_130m"}  # --scale -> the recipe of a family
 NO_MASK = "sdpa_no_mask"  # an attention implementation without a mask function (the module docstring: Qwen3-Next)
 COLUMNS = ("family", "schedule", "batch", "peer", "prefill_ms", "peer_prefill_ms", "prefill_ratio",
            "decode_ms", "peer_decode_ms", "decode_ratio", "target")
@@ -210,24 +212,26 @@ def ours(model, prompts, schedule: str, new: int) -> dict:
                 decode_ms=stats.decode_seconds / max(len(result.tokens[0]) - 1, 1) * 1e3, modes=modes)
 
 
-def rows_of(family: str, batches, prompt_len: int, new: int, repeats: int, folder: Path, peers: str = "all"):
-    recipe = f"tiny_{family}"
+def rows_of(family: str, batches, prompt_len: int, new: int, repeats: int, folder: Path, peers: str = "all",
+            scale: str = "tiny"):
+    recipe = SCALES[scale].format(family=family)
     model = build(recipe, prompt_len + new, torch.float32, "cpu")
     if peers != "foreign":
-        yield from same_weight_rows(family, model, batches, prompt_len, new, repeats, folder)
+        yield from same_weight_rows(family, recipe, model, batches, prompt_len, new, repeats, folder)
     if peers != "same-weights" and family in FOREIGN:
         args = dataclasses.replace(load_model_args([f"model={recipe}"]), max_sequence_length=model.max_sequence_length)
         yield from foreign_rows(family, model, args, batches, prompt_len, new, repeats)
 
 
-def same_weight_rows(family: str, model, batches, prompt_len: int, new: int, repeats: int, folder: Path):
-    recipe, routed = f"tiny_{family}", None
+def same_weight_rows(family: str, recipe: str, model, batches, prompt_len: int, new: int, repeats: int,
+                     folder: Path):
+    routed = None
     peer = llama_peer(model, recipe) if family == "transformer" else PinnedFrontEnd(recipe, prompt_len + new, model,
                                                                                      folder)
     try:
         for schedule in SCHEDULES[family]:
             if schedule == ROUTER:
-                routed = routed or router_model(family, prompt_len + new)
+                routed = routed or router_model(recipe, prompt_len + new)
             subject = routed if schedule == ROUTER else model
             for batch in batches:
                 yield compare(family, schedule, batch, subject, peer,
@@ -308,9 +312,9 @@ def _torch_path(cls, config):
     return model
 
 
-def router_model(family: str, length: int):
-    """The family's tiny model with a random router of one layer whose logits fall on both sides of 0.5."""
-    args = dataclasses.replace(load_model_args([f"model=tiny_{family}"]), max_sequence_length=length, router_hidden=8,
+def router_model(recipe: str, length: int):
+    """The recipe's model with a random router of one layer whose logits fall on both sides of 0.5."""
+    args = dataclasses.replace(load_model_args([f"model={recipe}"]), max_sequence_length=length, router_hidden=8,
                                router_chunk_size=16, router_layers=1)
     torch.manual_seed(0)
     model = build_model(args, transformer_config(args, perform_initialization=True)).eval()
@@ -346,6 +350,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peers", default="all", choices=PEERS, help="same-weight peers, foreign ones, or both")
+    parser.add_argument("--scale", default="tiny", choices=list(SCALES), help="the families' recipes")
     parser.add_argument("--check", action="store_true", help="exit 1 when a decode ratio misses its target")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -355,8 +360,9 @@ def main(argv=None) -> int:
         if args.peers != "foreign" and any(f != "transformer" for f in args.families):
             extract_pinned(folder)
         for family in args.families:
-            rows += rows_of(family, args.batches, args.prompt, args.new_tokens, args.repeats, folder, args.peers)
-    print(f"tiny recipes, random weights, float32, cpu, 1 thread, prompt {args.prompt}, {args.new_tokens} new tokens, "
+            rows += rows_of(family, args.batches, args.prompt, args.new_tokens, args.repeats, folder, args.peers,
+                            args.scale)
+    print(f"{args.scale} recipes, random weights, float32, cpu, 1 thread, prompt {args.prompt}, {args.new_tokens} new tokens, "
           f"greedy (equal tokens asserted on the same weights), median of {args.repeats} interleaved; "
           "ratio = ours / peer")
     print(table(rows))

@@ -65,8 +65,9 @@ class OryxDecoderLayer(nn.Module):
         self.mlp = OryxMLP(config)
 
     def forward(self, hidden: Tensor, context: MixerContext, cache: Optional[MixerCache] = None) -> Tensor:
-        """hidden [b, s, hidden]; ``cache``: this layer's inference state. The call megatron's layer answers too, so
-        that the routing pass (``mixer.router``) runs over either front end's layers."""
+        """hidden [b, s, hidden], or [b, hidden] at a decode step; ``cache``: this layer's inference state. The call
+        megatron's layer answers too, so that the routing pass (``mixer.router``) runs over either front end's
+        layers."""
         hidden = hidden + self.mixer(self.input_layernorm(hidden), context, cache)
         return hidden + self.mlp(self.pre_mlp_layernorm(hidden))
 
@@ -135,11 +136,12 @@ class OryxModel(OryxPreTrainedModel):
         else:
             modes = self._modes(modes, hidden, offset, document_ids)
         context = MixerContext.build(self.config.mixer_config, modes, document_ids, decode=decode)
+        hidden = hidden[:, 0] if decode else hidden  # one token per sequence: the layers step on [b, hidden]
         for i, (layer, layer_context) in enumerate(zip(self.layers, context.for_layers(self.layer_configs))):
             hidden = layer(hidden, layer_context, None if cache is None else cache.layers[i])
         if cache is not None and input_ids is not None:
             cache.last_tokens = input_ids[:, -1]
-        return self.norm(hidden)
+        return self.norm(hidden[:, None] if decode else hidden)
 
     def routing(self, schedule: RouterSchedule, batch_size: int, device, cached: bool = True) -> RoutingState:
         """The routing state of ``schedule`` for ``batch_size`` sequences (``cached``: of a cache, with the
@@ -163,9 +165,9 @@ class OryxModel(OryxPreTrainedModel):
         elif s != 1:
             raise ValueError(f"a cache that routes continues one token at a time (generate's decoding); got {s}")
         elif offset % chunk == 0 and offset // chunk == routing.decisions.decided:
-            routing.decide(route_step(layers, self.router, hidden, cache.layers[0], routing.router_cache))
+            routing.decide(route_step(layers, self.router, hidden[:, 0], cache.layers[0], routing.router_cache))
         elif routing.router_cache is not None:
-            advance_routing(layers, hidden, routing.router_cache)
+            advance_routing(layers, hidden[:, 0], routing.router_cache)
         return routing.modes(offset, offset + s)
 
     def _modes(self, modes: ModesArg, hidden: Tensor, offset: int, document_ids: Optional[Tensor]

@@ -40,7 +40,8 @@ class OryxLayer(MegatronModule):
 
     def forward(self, hidden_states: Tensor, context: MixerContext,
                 inference_cache: Optional[MixerCache] = None) -> Tensor:
-        """hidden_states [s, b, hidden]; ``context``: the forward's modes, reads and documents (``MixerContext``)."""
+        """hidden_states [s, b, hidden], or [b, hidden] at a decode step (``OryxMixer.step``); ``context``: the
+        forward's modes, reads and documents (``MixerContext``)."""
         out, bias = self.mixer(self.input_layernorm(hidden_states), context, inference_cache)
         hidden_states = hidden_states + self._dropout(out, bias)
         out, bias = self.mlp(self.pre_mlp_layernorm(hidden_states))

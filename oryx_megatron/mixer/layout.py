@@ -49,3 +49,13 @@ class MixerLayout:
     def width(self) -> int:
         """Rows of ``in_proj`` per head."""
         return sum(self.streams.values())
+
+    @property
+    def conv_widths(self) -> Tuple[int, ...]:
+        """Per-head widths of the conv streams, in ``conv_streams`` order."""
+        return tuple(self.streams[name] for name in self.conv_streams)
+
+    @property
+    def conv_width(self) -> int:
+        """Channels per head of the short convs, side by side (the mixer runs them as one depthwise conv)."""
+        return sum(self.conv_widths)

@@ -92,12 +92,12 @@ class OryxMixer(HeadModule):
     # ---- the parallel forward (training, prefill) ----
     def forward(self, hidden: Tensor, context: MixerContext, cache: Optional[MixerCache] = None):
         """hidden [b, s, hidden] -> [b, s, hidden]. With ``cache`` the tokens continue the cached ones (prefill);
-        one token after cached ones is a decode step (``step``)."""
+        hidden [b, hidden], one token per sequence after cached ones, is a decode step (``step``)."""
         cp = self.shard.cp
         if cache is not None and cp.size > 1:
             raise ValueError("inference caches run at context_parallel_size=1: context parallelism splits the "
                              "sequence of a parallel forward (training, evaluation)")
-        if cache is not None and cache.seqlen > 0 and self._tokens(hidden) == 1:
+        if hidden.dim() == 2:
             return self.step(hidden, context, cache)
         x = self._streams(cp.to_heads(self._projection(hidden)))  # stream -> [b, s, h (/ cp), width]
         x.update(self._hidden_features(hidden))  # feature -> [b, s, width]: every token
@@ -109,10 +109,9 @@ class OryxMixer(HeadModule):
 
     def _mix(self, x: Dict[str, Tensor], context: MixerContext, cache: Optional[MixerCache]) -> Tensor:
         """Projected streams -> each token's read, normed and gated: [b, s, h, d_v]."""
-        x, conv_states = dict(x), {}  # a recomputation gets the projected streams again
-        for name in self.layout.conv_streams:  # shared short convs (and the linear query's)
-            initial = None if cache is None else cache.initial_conv_state(name)
-            x[name], conv_states[name] = self._conv(x[name], name, initial, context.documents)
+        x = dict(x)  # a recomputation gets the projected streams again
+        convolved, conv_state = self._conv(x, None if cache is None else cache.initial_conv_state(), context.documents)
+        x.update(convolved)  # shared short convs (and the linear query's)
         self._gate_keys_and_values(x)
 
         outputs, recurrent_state = {}, None
@@ -130,7 +129,7 @@ class OryxMixer(HeadModule):
             context.readouts.reads.append(self._chunk_readouts(x, outputs[Mode.LINEAR], context.readouts.chunk_size,
                                                                context.document_ids))
         if cache is not None:
-            cache.absorb(conv_states, recurrent_state, x["k"].shape[1], context.document_ids)
+            cache.absorb(conv_state, recurrent_state, x["k"].shape[1], context.document_ids)
         return self._gated_norm(self._select(outputs, context), x["g"])
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, context: MixerContext,
@@ -154,19 +153,18 @@ class OryxMixer(HeadModule):
 
     # ---- one-token decode ----
     def step(self, hidden: Tensor, context: MixerContext, cache: MixerCache):
-        """Decode one token per sequence: hidden [b, 1, hidden] (in the front end's layout); ``context`` built with
-        ``decode=True`` (or one Mode). With ``context.readouts`` both mixers read and their reads are appended
-        there, [b, 1, h, 2, d_v]. Positions come from the cache's ``position`` tensor and every state is written
-        in place: no host synchronisation, so the step can be captured in a CUDA graph."""
-        x = self._streams(self._projection(hidden)[:, 0])  # stream -> [b, h, width]
-        x.update({name: t[:, 0] for name, t in self._hidden_features(hidden).items()})  # cross-head: [b, width]
-        conv_states = {}
-        for name in self.layout.conv_streams:
-            b, h, d = x[name].shape
-            y, conv_states[name] = self.kernels.causal_conv1d_step(x[name].reshape(b, h * d), cache.conv_states[name],
-                                                                   getattr(self, f"conv_{name}").local("weight"),
-                                                                   activation=self.config.mixer_conv_activation)
-            x[name] = y.view(b, h, d)
+        """Decode one token per sequence: hidden [b, hidden] -> [b, hidden] (either front end's layout: the front
+        ends hand their layers [b, hidden] at a decode step); ``context`` built with ``decode=True`` (or one Mode).
+        With ``context.readouts`` both mixers read and their reads are appended there, [b, 1, h, 2, d_v].
+        Positions come from the cache's ``position`` tensor and every state is written in place: no host
+        synchronisation, so the step can be captured in a CUDA graph."""
+        x = self._streams(self._projection(hidden))  # stream -> [b, h, width]
+        x.update(self._hidden_features(hidden))  # cross-head: [b, width]
+        joint = self._conv_input(x)  # [b, h, conv width]
+        b, h, c = joint.shape
+        y, conv_state = self.kernels.causal_conv1d_step(joint.view(b, h * c), cache.conv_state, self._conv_weight(),
+                                                        activation=self.config.mixer_conv_activation)
+        x.update(self._conv_output(y.view(b, h, c)))
         self._gate_keys_and_values(x)
 
         outputs, recurrent_state = {}, None
@@ -175,21 +173,24 @@ class OryxMixer(HeadModule):
                 self._refuse_attention_without_kv_cache(context)
             else:
                 cache.reserve(cache.seqlen + 1)  # host-side; a graph runner reserves before replaying
-                q, k = self._rotate(x[self.layout.attention_query][:, None], x["k"][:, None],
-                                    cache.position.view(1), cache.capacity)
-                cache.write_at_position(k, x["v"][:, None])
-                if Mode.ATTENTION in context.reads or context.readouts is not None:
-                    outputs[Mode.ATTENTION] = decode_attention(q, cache.key, cache.value, cache.position,
-                                                               cache.document_start)
+                rotary = self._rotary_at(cache.position.view(1), cache.capacity, x["k"])
+                cache.write_at_position(self._rotary(x["k"][:, None], rotary), x["v"][:, None])
+                if Mode.ATTENTION in context.reads or context.readouts is not None:  # the query only where read
+                    q = self._rotary(x[self.layout.attention_query][:, None], rotary)
+                    eager = hidden.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+                    outputs[Mode.ATTENTION] = decode_attention(
+                        q, cache.key, cache.value, cache.position, cache.document_start if cache.documents else None,
+                        length=cache.seqlen + 1 if eager else None)
         if self.linear_mixer is not None:
             o, recurrent_state = self.linear_mixer.step(x, cache.recurrent_state)
             outputs[Mode.LINEAR] = o[:, None]
-        cache.absorb(conv_states, recurrent_state, 1)
+        cache.absorb(conv_state, recurrent_state, 1)
         gate = x["g"][:, None]
         if context.readouts is not None:
             context.readouts.reads.append(self._readouts(outputs[Mode.ATTENTION], outputs[Mode.LINEAR], gate))
             outputs = {mode: outputs[mode] for mode in context.reads if mode in outputs}
-        return self._output(self._gated_norm(self._select(outputs, context), gate))
+        y = self._gated_norm(self._select(outputs, context), gate)  # [b, 1, h, d_v]
+        return self.out_proj(y.reshape(y.shape[0], -1))
 
     def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                                  capacity: Optional[int] = None, kv_cache: bool = True) -> MixerCache:
@@ -197,8 +198,7 @@ class OryxMixer(HeadModule):
         (``state.kv_capacity``; grown when exceeded), none at all when ``kv_cache`` is False (linear mode only) in an
         Oryx block; an attention layer of a layer pattern keeps its KV cache whatever ``kv_cache`` says."""
         h, w = self.num_heads, self.config.mixer_conv_kernel
-        conv_states = {name: torch.zeros(batch_size, h * self.layout.streams[name], w - 1, dtype=dtype, device=device)
-                       for name in self.layout.conv_streams}
+        conv_state = torch.zeros(batch_size, h * self.layout.conv_width, w - 1, dtype=dtype, device=device)
         key = value = None
         if self.layout.attention_query is not None and (kv_cache or not self.config.is_multi_mixer):
             capacity = kv_capacity(capacity)
@@ -210,7 +210,7 @@ class OryxMixer(HeadModule):
             recurrent = torch.zeros(self.linear_mixer.state_shape(batch_size), dtype=state_dtype, device=device)
         position = torch.zeros((), dtype=torch.long, device=device)
         document_start = torch.zeros(batch_size, dtype=torch.long, device=device)
-        return MixerCache(conv_states, key, value, recurrent, position, document_start)
+        return MixerCache(conv_state, key, value, recurrent, position, document_start)
 
     # ---- what a router reads (mixer/router.py), on the way of a forward or step ----
     def _chunk_readouts(self, x: Dict[str, Tensor], linear: Tensor, chunk_size: int,
@@ -220,8 +220,9 @@ class OryxMixer(HeadModule):
         d_v] (under context parallelism from this rank's heads, every head gathered)."""
         s = x["k"].shape[1]
         starts = torch.arange(0, s, chunk_size, device=x["k"].device)  # [n]
-        q = self._rotary(x[self.layout.attention_query][:, starts], starts, s)  # [b, n, h, d_k]
-        attention = attention_at(q, self._rotary(x["k"], slice(0, s), s), x["v"], starts, document_ids)
+        q = self._rotary(x[self.layout.attention_query][:, starts], self._rotary_at(starts, s, x["k"]))  # [b, n, h, d]
+        k = self._rotary(x["k"], self._rotary_at(slice(0, s), s, x["k"]))
+        attention = attention_at(q, k, x["v"], starts, document_ids)
         return self.shard.cp.all_heads(self._readouts(attention, linear[:, starts], x["g"][:, starts]))
 
     def _readouts(self, attention: Tensor, linear: Tensor, gate: Tensor) -> Tensor:
@@ -231,15 +232,13 @@ class OryxMixer(HeadModule):
         return torch.stack([y_attention - y_linear, y_linear], dim=-2)
 
     # ---- pieces shared by forward and step ----
-    def _tokens(self, hidden: Tensor) -> int:
-        """Tokens per sequence of hidden states in the front end's layout."""
-        return hidden.shape[0 if self.sequence_first else 1]
-
     def _projection(self, hidden: Tensor) -> Tensor:
         """The fused input projection: [b, s, hidden] ([s, b, hidden]: all-gathered sequence under megatron's
-        sequence parallelism) -> [b, s, h, width of every stream]."""
+        sequence parallelism) -> [b, s, h, width of every stream]; a step's [b, hidden] -> [b, h, width]."""
         proj = self.in_proj(hidden)
         proj = proj[0] if isinstance(proj, tuple) else proj  # (output, None): megatron's linear without bias
+        if proj.dim() == 2:
+            return proj.view(proj.shape[0], self.num_heads, -1)
         if self.sequence_first:
             proj = proj.transpose(0, 1)
         b, s = proj.shape[:2]
@@ -251,11 +250,12 @@ class OryxMixer(HeadModule):
 
     def _hidden_features(self, hidden: Tensor) -> Dict[str, Tensor]:
         """The linear mixer's cross-head features of the hidden state: feature -> [b, s, width], every token of the
-        sequence (gathered over context-parallel ranks); none unless it declares some."""
+        sequence (gathered over context-parallel ranks), or a step's [b, width]; none unless it declares some."""
         if not self.layout.hidden_features:
             return {}
         y = self.hidden_proj(hidden)
-        y = self.shard.cp.all_tokens(y.transpose(0, 1) if self.sequence_first else y)
+        if y.dim() == 3:  # a step's [b, width] is every token already
+            y = self.shard.cp.all_tokens(y.transpose(0, 1) if self.sequence_first else y)
         return dict(zip(self.layout.hidden_features, y.split(list(self.layout.hidden_features.values()), dim=-1)))
 
     def _output(self, y: Tensor):
@@ -263,14 +263,35 @@ class OryxMixer(HeadModule):
         y = y.reshape(*y.shape[:2], -1)
         return self.out_proj(y.transpose(0, 1).contiguous() if self.sequence_first else y)
 
-    def _conv(self, x: Tensor, name: str, state: Optional[Tensor],
-              documents: Optional[Documents]) -> Tuple[Tensor, Tensor]:
-        b, s, h, d = x.shape
+    def _conv(self, x: Dict[str, Tensor], state: Optional[Tensor],
+              documents: Optional[Documents]) -> Tuple[Dict[str, Tensor], Tensor]:
+        """The short convs of a sequence's conv streams: stream -> [b, s, h, width] of each, and the final state
+        [b, h * conv width, w - 1] (``_conv_weight``)."""
+        joint = self._conv_input(x)  # [b, s, h, conv width]
+        b, s, h, c = joint.shape
         y, final_state = self.kernels.causal_conv1d(
-            x.reshape(b, s, h * d), getattr(self, f"conv_{name}").local("weight"), initial_state=state,
+            joint.view(b, s, h * c), self._conv_weight(), initial_state=state,
             activation=self.config.mixer_conv_activation, documents=documents,
         )
-        return y.view(b, s, h, d), final_state
+        return self._conv_output(y.view(b, s, h, c)), final_state
+
+    def _conv_input(self, x: Dict[str, Tensor]) -> Tensor:
+        """The conv streams side by side per head: [.., h, conv width]."""
+        return torch.cat([x[name] for name in self.layout.conv_streams], dim=-1)
+
+    def _conv_output(self, y: Tensor) -> Dict[str, Tensor]:
+        """[.., h, conv width] -> stream -> [.., h, width] (views)."""
+        return dict(zip(self.layout.conv_streams, y.split(self.layout.conv_widths, dim=-1)))
+
+    def _conv_weight(self) -> Tensor:
+        """The conv streams' short convs (``conv_<stream>.weight`` [h * width, w] each) as one depthwise conv over
+        their channels side by side per head: [h * conv width, w] (h: this rank's heads, its context-parallel share
+        in a parallel forward). A depthwise conv computes every channel on its own, so one conv over the joint
+        channels gives each stream's conv, in one kernel call."""
+        w = self.config.mixer_conv_kernel
+        weights = [getattr(self, f"conv_{name}").local("weight").view(-1, width, w)
+                   for name, width in zip(self.layout.conv_streams, self.layout.conv_widths)]
+        return torch.cat(weights, dim=1).view(-1, w)
 
     def _gate_keys_and_values(self, x: Dict[str, Tensor]) -> None:
         """k *= gate(W_KG x), v *= gate(W_VG x) with ``kv_gate`` (in fp32 or wider)."""
@@ -282,16 +303,17 @@ class OryxMixer(HeadModule):
     def _rotate(self, q: Tensor, k: Tensor, positions: Union[slice, Tensor], length: int) -> Tuple[Tensor, Tensor]:
         """Rotary embedding of q, k [b, s, h, d_k] at ``positions`` (a slice, or [s] on the device) of a shared
         table of at least ``length`` positions (a no-op without rotary)."""
+        rotary = self._rotary_at(positions, length, q)
+        return self._rotary(q, rotary), self._rotary(k, rotary)
+
+    def _rotary(self, x: Tensor, rotary: Optional[Tuple[Tensor, Tensor]]) -> Tensor:
+        """x [b, s, h, d_k] rotated by ``rotary`` (cos, sin of ``_rotary_at``; None: no rotary)."""
+        return x if rotary is None else apply_rotary(x, *rotary)
+
+    def _rotary_at(self, positions: Union[slice, Tensor], length: int, x: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """cos, sin [s, d_k] at ``positions`` of the shared table (in x's compute dtype); None without rotary."""
         if not self.config.attention_rotary:
-            return q, k
-        cos, sin = self._rotary_at(positions, length, q)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-    def _rotary(self, x: Tensor, positions: Union[slice, Tensor], length: int) -> Tensor:
-        return apply_rotary(x, *self._rotary_at(positions, length, x)) if self.config.attention_rotary else x
-
-    def _rotary_at(self, positions: Union[slice, Tensor], length: int, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """cos, sin [s, d_k] at ``positions`` of the shared table (in x's compute dtype)."""
+            return None
         cos, sin = rotary_table(length, self.d_k, self.config.rotary_base, x.device, compute_dtype(x))
         return cos[positions], sin[positions]
 

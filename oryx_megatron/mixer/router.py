@@ -137,9 +137,9 @@ def route(layers: Sequence[nn.Module], router: nn.Module, hidden: Tensor, chunk_
 
 def route_step(layers: Sequence[nn.Module], router: nn.Module, hidden: Tensor, first_layer_cache: MixerCache,
                router_cache: Optional[List[MixerCache]] = None) -> Tensor:
-    """``route`` at decode: the logit [b, 1] of the chunk that starts at the new token (``hidden``, embedded), before
-    that token's step: from the first layer's cache of the model's own pass (``first_layer_cache``, left as it
-    was), or, with ``router_cache``, from the all-linear pass's, which the token then advances."""
+    """``route`` at decode: the logit [b, 1] of the chunk that starts at the new token (``hidden`` [b, hidden],
+    embedded), before that token's step: from the first layer's cache of the model's own pass (``first_layer_cache``,
+    left as it was), or, with ``router_cache``, from the all-linear pass's, which the token then advances."""
     readouts = RouterReadouts(1)
     linear = dataclasses.replace(_linear_context(layers), readouts=readouts)
     if router_cache is None:
@@ -155,7 +155,8 @@ def route_step(layers: Sequence[nn.Module], router: nn.Module, hidden: Tensor, f
 
 
 def advance_routing(layers: Sequence[nn.Module], hidden: Tensor, router_cache: List[MixerCache]) -> None:
-    """The all-linear pass of ``router_cache`` over a new token that starts no chunk (``hidden``, embedded)."""
+    """The all-linear pass of ``router_cache`` over a new token that starts no chunk (``hidden`` [b, hidden],
+    embedded)."""
     linear = _linear_context(layers)
     for layer, cache in zip(layers, router_cache):
         hidden = layer(hidden, linear, cache)

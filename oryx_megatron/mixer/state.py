@@ -22,7 +22,7 @@ def kv_capacity(n_tokens: Optional[int] = None) -> int:
 class MixerSnapshot:
     """What ``MixerCache.restore`` needs to return to an earlier position (speculative decoding)."""
 
-    conv_states: Dict[str, Tensor]
+    conv_state: Tensor
     recurrent_state: Optional[Tensor]
     document_start: Tensor
     seqlen: int
@@ -38,13 +38,14 @@ class MixerCache:
     so that step can be captured in a CUDA graph (a replay leaves ``seqlen`` to the caller).
     """
 
-    conv_states: Dict[str, Tensor]  # stream -> [b, channels, conv_kernel - 1]
+    conv_state: Tensor  # [b, h * conv width, conv_kernel - 1]: the conv streams' last inputs (OryxMixer._conv)
     key: Optional[Tensor]  # [b, capacity, h, d_k], rotated; None: no KV cache kept
     value: Optional[Tensor]  # [b, capacity, h, d_v]
     recurrent_state: Optional[Tensor]  # [b, h, d_k, d_v] fp32, None for attention-only
     position: Tensor  # 0-dim long, on the device
     document_start: Tensor  # [b] long: where each sequence's current document starts (keys before it are not read)
     seqlen: int = 0
+    documents: bool = False  # a document may have started after position 0: document_start is read (host-side)
 
     @property
     def capacity(self) -> int:
@@ -77,17 +78,16 @@ class MixerCache:
         self.key.index_copy_(1, index, key)
         self.value.index_copy_(1, index, value)
 
-    def initial_conv_state(self, stream: str) -> Optional[Tensor]:
-        """The conv state a prefill of ``stream`` continues from: None before the first token (zero padding)."""
-        return self.conv_states[stream] if self.seqlen > 0 else None
+    def initial_conv_state(self) -> Optional[Tensor]:
+        """The conv state a prefill continues from: None before the first token (zero padding)."""
+        return self.conv_state if self.seqlen > 0 else None
 
-    def absorb(self, conv_states: Dict[str, Tensor], recurrent_state: Optional[Tensor], n_tokens: int,
+    def absorb(self, conv_state: Tensor, recurrent_state: Optional[Tensor], n_tokens: int,
                document_ids: Optional[Tensor] = None) -> None:
-        """After ``n_tokens`` new tokens (their keys and values already written): their final conv states (stream ->
-        [b, channels, conv_kernel - 1]) and recurrent state [b, h, d_k, d_v] (None: attention only), copied in
-        place; with ``document_ids`` [b, n_tokens] the current document's start moves to the last one among them."""
-        for name, state in conv_states.items():
-            self.conv_states[name].copy_(state)
+        """After ``n_tokens`` new tokens (their keys and values already written): their final conv state [b, h * conv
+        width, conv_kernel - 1] and recurrent state [b, h, d_k, d_v] (None: attention only), copied in place; with
+        ``document_ids`` [b, n_tokens] the current document's start moves to the last one among them."""
+        self.conv_state.copy_(conv_state)
         if recurrent_state is not None:
             self.recurrent_state.copy_(recurrent_state)
         if document_ids is not None:
@@ -102,9 +102,9 @@ class MixerCache:
         """The next token of the sequences where ``starting`` [b] bool starts a new document: their
         conv and recurrent states restart from zero and attention reads from here on. In place, no host
         sync (a captured decode graph reads the same buffers)."""
+        self.documents = True
         keep = ~starting
-        for state in self.conv_states.values():
-            state.mul_(keep[:, None, None].to(state.dtype))
+        self.conv_state.mul_(keep[:, None, None].to(self.conv_state.dtype))
         if self.recurrent_state is not None:
             self.recurrent_state.mul_(keep[:, None, None, None].to(self.recurrent_state.dtype))
         self.document_start.copy_(torch.where(starting, self.position, self.document_start))
@@ -117,6 +117,7 @@ class MixerCache:
 
     def after_documents(self, document_ids: Tensor) -> None:
         """Move ``document_start`` to the last document start among s new tokens (before ``advance``)."""
+        self.documents = True
         starts = document_starts(document_ids)  # [b, s]
         index = torch.arange(starts.shape[1], device=starts.device)
         last = torch.where(starts, index, -1).amax(1)  # [b], -1: no new document
@@ -125,13 +126,11 @@ class MixerCache:
     def snapshot(self) -> MixerSnapshot:
         """Copies of the states that tokens overwrite (cached keys past ``seqlen`` are ignored later)."""
         recurrent = None if self.recurrent_state is None else self.recurrent_state.clone()
-        return MixerSnapshot({n: t.clone() for n, t in self.conv_states.items()}, recurrent,
-                             self.document_start.clone(), self.seqlen)
+        return MixerSnapshot(self.conv_state.clone(), recurrent, self.document_start.clone(), self.seqlen)
 
     def restore(self, snapshot: MixerSnapshot) -> None:
         """Back to the snapshot's position, in place."""
-        for name, state in snapshot.conv_states.items():
-            self.conv_states[name].copy_(state)
+        self.conv_state.copy_(snapshot.conv_state)
         if snapshot.recurrent_state is not None:
             self.recurrent_state.copy_(snapshot.recurrent_state)
         self.document_start.copy_(snapshot.document_start)
@@ -142,4 +141,4 @@ class MixerCache:
         """Allocated bytes: kv / recurrent / conv."""
         kv = 0 if self.key is None else self.key.nbytes + self.value.nbytes
         rec = self.recurrent_state.nbytes if self.recurrent_state is not None else 0
-        return {"kv": kv, "recurrent": rec, "conv": sum(t.nbytes for t in self.conv_states.values())}
+        return {"kv": kv, "recurrent": rec, "conv": self.conv_state.nbytes}

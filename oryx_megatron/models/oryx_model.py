@@ -175,7 +175,10 @@ class OryxModel(LanguageModule):
         decode = inference_cache is not None and input_ids.shape[1] == 1 and inference_cache[0].seqlen > 0
         context = MixerContext.build(self.config, modes, document_ids, router_weights, decode)
         hidden = self.embedding(input_ids, position_ids=None) if self.pre_process else self.input_tensor
-        hidden = self.decoder(hidden, context, inference_cache)
+        if decode:  # one token per sequence: the layers step on [b, hidden]
+            hidden = self.decoder(hidden[0], context, inference_cache)[None]
+        else:
+            hidden = self.decoder(hidden, context, inference_cache)
         if not self.post_process:
             return hidden
         if last_token_logits and labels is None and not self.config.sequence_parallel:
@@ -196,12 +199,12 @@ class OryxModel(LanguageModule):
     def route_step(self, input_ids: Tensor, inference_cache: List[MixerCache],
                    router_cache: Optional[List[MixerCache]] = None) -> Tensor:
         """The logit [b, 1] of the chunk that starts at input_ids [b, 1] (``mixer.router.route_step``)."""
-        return routing.route_step(self._routed_layers(), self.router, self.embedding(input_ids, position_ids=None),
+        return routing.route_step(self._routed_layers(), self.router, self.embedding(input_ids, position_ids=None)[0],
                                   inference_cache[0], router_cache)
 
     def advance_router(self, input_ids: Tensor, router_cache: List[MixerCache]) -> None:
         """``mixer.router.advance_routing`` over input_ids [b, 1]."""
-        routing.advance_routing(self._routed_layers(), self.embedding(input_ids, position_ids=None), router_cache)
+        routing.advance_routing(self._routed_layers(), self.embedding(input_ids, position_ids=None)[0], router_cache)
 
     def allocate_router_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                               capacity: Optional[int] = None) -> Optional[List[MixerCache]]:

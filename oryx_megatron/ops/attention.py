@@ -95,17 +95,25 @@ def block_sparse_causal_attention(
 
 
 def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor,
-                     document_start: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One query per sequence at ``position`` over a preallocated KV cache, without a host-side length.
+                     document_start: Optional[torch.Tensor] = None, length: Optional[int] = None) -> torch.Tensor:
+    """One query per sequence at ``position`` over a preallocated KV cache, without a host-side length unless
+    ``length`` gives it.
 
     Args:
         q: [b, 1, h, d_k]; key: [b, capacity, h, d_k]; value: [b, capacity, h, d_v];
         position: 0-dim long tensor, the query's position (cache entries 0..position are read).
         document_start: [b] long or None: the first position of each query's document (earlier
             entries, other documents', are not read).
+        length: position + 1 where the host knows it (an eager step; a CUDA graph replays the read without it):
+            only the first ``length`` entries are read, and without ``document_start`` no mask is built.
     Returns:
         o [b, 1, h, d_v].
     """
+    if length is not None:
+        key, value = key[:, :length], value[:, :length]
+        if document_start is None:
+            return F.scaled_dot_product_attention(q.transpose(1, 2), key.transpose(1, 2),
+                                                  value.transpose(1, 2)).transpose(1, 2)
     positions = torch.arange(key.shape[1], device=key.device)
     visible = (positions <= position)[None]  # [1, capacity]
     if document_start is not None:

@@ -109,7 +109,8 @@ def gated_delta_rule_step(
     q, k, v, g, beta = (cast(x, dtype) for x in (q, k, v, g, beta))
 
     S = cast(state, dtype) * g.exp()[..., None, None]  # [b, h, d_k, d_v]
-    u = beta[..., None] * (v - (k[..., None, :] @ S)[..., 0, :])  # [b, h, d_v]: v - k S
-    S = S + k[..., :, None] * u[..., None, :]
-    o = ((q * scale)[..., None, :] @ S)[..., 0, :]  # [b, h, d_v]: q S
+    k = k[..., :, None]  # [b, h, d_k, 1]
+    u = beta[..., None] * (v - (k * S).sum(-2))  # [b, h, d_v]: v - k S (products and sums: fewer ops than matmuls)
+    S = torch.addcmul(S, k, u[..., None, :])
+    o = ((q * scale)[..., :, None] * S).sum(-2)  # [b, h, d_v]: q S
     return cast(o, out_dtype), S

@@ -27,11 +27,9 @@ from oryx_vllm.requests import ROWS
 
 
 def state_layout(mixer, max_len: int) -> Tuple[List[str], List[tuple], List[torch.dtype]]:
-    """Names, per-slot shapes and dtypes of one layer's state: conv_<stream>, recurrent, key, value."""
+    """Names, per-slot shapes and dtypes of one layer's state: conv_state, recurrent_state, key, value."""
     cache = mixer.allocate_inference_cache(1, torch.get_default_dtype(), device="meta", capacity=max_len)
-    names, shapes, dtypes = [], [], []
-    for name, conv in cache.conv_states.items():
-        names.append(f"conv_{name}"), shapes.append(tuple(conv.shape[1:])), dtypes.append(conv.dtype)
+    names, shapes, dtypes = ["conv_state"], [tuple(cache.conv_state.shape[1:])], [cache.conv_state.dtype]
     for name in ("recurrent_state", "key", "value"):
         t = getattr(cache, name)
         if t is not None:
@@ -72,11 +70,10 @@ class OryxLayerState(MambaBase, nn.Module):
             for name, view in views.items():
                 if name not in ("key", "value"):
                     view.zero_()
-        conv = {name[len("conv_"):]: v for name, v in views.items() if name.startswith("conv_")}
         device = self.kv_cache[0].device
-        return self.mixer_cache_class(conv, views.get("key"), views.get("value"), views.get("recurrent_state"),
-                                      torch.tensor(start, device=device), torch.zeros(1, dtype=torch.long,
-                                                                                      device=device), start)
+        return self.mixer_cache_class(views["conv_state"], views.get("key"), views.get("value"),
+                                      views.get("recurrent_state"), torch.tensor(start, device=device),
+                                      torch.zeros(1, dtype=torch.long, device=device), start)
 
 
 class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
