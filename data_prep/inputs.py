@@ -44,6 +44,7 @@ class Piece:
     path: str
     start: int = 0
     end: Optional[int] = None
+    nbytes: int = dataclasses.field(default=0, compare=False)  # its input bytes, as the plan counts them
 
 
 def stdlib_files() -> List[Path]:
@@ -106,20 +107,20 @@ def plan_shards(files: List[Path], shard_bytes: int, options: InputOptions) -> L
     """
     shards, current, room = [], [], shard_bytes
 
-    def add(path, start, end):
+    def add(path, start, end, size):
         if current and current[-1].path == path and current[-1].end == start:
-            current[-1] = Piece(path, current[-1].start, end)  # consecutive row groups
+            current[-1] = Piece(path, current[-1].start, end, current[-1].nbytes + size)  # consecutive row groups
         else:
-            current.append(Piece(path, start, end))
+            current.append(Piece(path, start, end, size))
 
     for file in map(str, files):
         for start, end, size, divisible in _units(file, options):
             while divisible and size > room:
-                add(file, start, start + room)
+                add(file, start, start + room, room)
                 start, size = start + room, size - room
                 shards.append(current)
                 current, room = [], shard_bytes
-            add(file, start, end)
+            add(file, start, end, size)
             room -= size
             if room <= 0:
                 shards.append(current)

@@ -107,6 +107,11 @@ def this_rank_tokens(**tensors: torch.Tensor) -> Dict[str, torch.Tensor]:
     return batch_on_this_cp_rank(dict(tensors))
 
 
+def context_parallel() -> bool:
+    """Whether sequences are split over more than one context-parallel rank."""
+    return parallel_state.get_context_parallel_world_size() > 1
+
+
 def whole_sequences(t: torch.Tensor) -> torch.Tensor:
     """The inverse of ``this_rank_tokens``: [b, s / cp] of every context-parallel rank -> [b, s] in order."""
     cp = parallel_state.get_context_parallel_world_size()

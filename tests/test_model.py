@@ -174,3 +174,16 @@ def test_transformer_baseline_uses_sdpa_core_attention():
     model, _ = tiny_model("transformer")
     attentions = [layer.self_attention.core_attention for layer in model.decoder.layers]
     assert attentions and all(isinstance(a, CausalSDPAttention) for a in attentions)
+
+
+@pytest.mark.parametrize("family", ["oryx_tg", "gdn"])
+def test_plain_inference_forward_equals_megatrons(family):
+    """Without autograd at TP=1 the token embedding, the linears and the MLP take their plain paths (layers/
+    embedding.py, linear.py, mlp.py); the logits equal megatron's forward under autograd, which the plain paths
+    leave to megatron, bit for bit."""
+    model, args = tiny_model(family)
+    tokens, _, modes = batch(args)
+    assert model.embedding.solo and model.decoder.layers[0].mlp.plain
+    with torch.no_grad():
+        plain = model(tokens, modes)
+    assert torch.equal(plain, model(tokens, modes).detach())

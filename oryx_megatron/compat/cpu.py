@@ -68,6 +68,7 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def cuda_to_cpu():
-    """Context in which megatron's hard-coded CUDA tensors land on the CPU (only without CUDA)."""
-    return contextlib.nullcontext() if torch.cuda.is_available() else _CudaToCpu()
+def cuda_to_cpu(needed: bool = True):
+    """Context in which megatron's hard-coded CUDA tensors land on the CPU (only without CUDA, and where the caller
+    says it is ``needed``: the mode costs every torch call a round trip through Python)."""
+    return _CudaToCpu() if needed and not torch.cuda.is_available() else contextlib.nullcontext()

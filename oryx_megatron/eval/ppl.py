@@ -28,7 +28,7 @@ from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.data.shards import Manifest
 from oryx_megatron.inference.routing import route_modes
 from oryx_megatron.models import flops
-from oryx_megatron.parallel import this_rank_tokens, whole_sequences
+from oryx_megatron.parallel import context_parallel, this_rank_tokens, whole_sequences
 from oryx_megatron.run_config import TrainConfig
 from oryx_megatron.training.builders import build_loader
 
@@ -94,7 +94,7 @@ def token_losses(model, batches: List[Dict[str, Tensor]]) -> Tensor:
     for b in batches:
         docs = b.get("document_ids")
         local = this_rank_tokens(tokens=b["tokens"].to(device), labels=b["labels"].to(device))  # context parallel
-        with cuda_to_cpu():  # megatron's context-parallel rotary asks for pinned memory (a no-op on CUDA)
+        with cuda_to_cpu(context_parallel()):  # megatron's context-parallel rotary asks for pinned memory
             loss = model(local["tokens"], b["modes"].to(device), labels=local["labels"],
                          document_ids=None if docs is None else docs.to(device))
         losses.append(whole_sequences(loss.float()).cpu())

@@ -25,7 +25,7 @@ from oryx_megatron.data.schedules import RouterSchedule
 from oryx_megatron.data.tasks import mqar, niah
 from oryx_megatron.eval.ppl import attention_reads, dataset_vocab, heldout_batches
 from oryx_megatron.inference.routing import route_modes
-from oryx_megatron.parallel import this_rank_tokens, whole_sequences
+from oryx_megatron.parallel import context_parallel, this_rank_tokens, whole_sequences
 from oryx_megatron.run_config import TrainConfig
 
 TASKS = ("mqar", "niah")
@@ -63,7 +63,7 @@ def predictions(model, inputs: Tensor, modes: Tensor, vocab_size: int) -> Tensor
     """The greedy next token [b, L] at every position (under context parallelism every sequence split over the
     ranks, the predictions gathered)."""
     local = this_rank_tokens(tokens=inputs)["tokens"]
-    with cuda_to_cpu():  # megatron's context-parallel rotary asks for pinned memory (a no-op on CUDA)
+    with cuda_to_cpu(context_parallel()):  # megatron's context-parallel rotary asks for pinned memory
         return whole_sequences(model(local, modes)[..., :vocab_size].argmax(-1))
 
 

@@ -162,7 +162,9 @@ class OryxMixer(HeadModule):
         x.update(self._hidden_features(hidden))  # cross-head: [b, width]
         joint = self._conv_input(x)  # [b, h, conv width]
         b, h, c = joint.shape
-        y, conv_state = self.kernels.causal_conv1d_step(joint.view(b, h * c), cache.conv_state, self._conv_weight(),
+        if cache.conv_weight is None or torch.is_grad_enabled():
+            cache.conv_weight = self._conv_weight()  # the weights stay while the cache is in use
+        y, conv_state = self.kernels.causal_conv1d_step(joint.view(b, h * c), cache.conv_state, cache.conv_weight,
                                                         activation=self.config.mixer_conv_activation)
         x.update(self._conv_output(y.view(b, h, c)))
         self._gate_keys_and_values(x)

@@ -46,6 +46,8 @@ class MixerCache:
     document_start: Tensor  # [b] long: where each sequence's current document starts (keys before it are not read)
     seqlen: int = 0
     documents: bool = False  # a document may have started after position 0: document_start is read (host-side)
+    conv_weight: Optional[Tensor] = None  # the layer's joint conv weight (OryxMixer._conv_weight), made at its first
+    # step and kept: a model's weights do not change while one of its caches is in use (a generation)
 
     @property
     def capacity(self) -> int:

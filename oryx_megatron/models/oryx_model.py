@@ -14,9 +14,6 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.enums import ModelType
-from megatron.core.models.common.embeddings.language_model_embedding import (
-    LanguageModelEmbedding,
-)
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -29,6 +26,7 @@ from megatron.core.transformer.utils import (
 from torch import Tensor
 
 from oryx_megatron.layers.config import OryxConfig
+from oryx_megatron.layers.embedding import TokenEmbedding
 from oryx_megatron.layers.linear import ColumnLinear
 from oryx_megatron.layers.router import ParallelChunkRouter
 from oryx_megatron.models.layer_init import layer_init_rng
@@ -131,7 +129,7 @@ class OryxModel(LanguageModule):
         self.vp_stage = vp_stage
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(
+            self.embedding = TokenEmbedding(
                 config, vocab_size, max_sequence_length, position_embedding_type="none",
                 tp_group=self.tp_group,
             )

@@ -21,10 +21,8 @@ def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-5) -
         [..., h, d] in y's dtype, computed in fp32 (or wider):
         y / sqrt(mean_d(y^2) + eps) * weight * silu(gate).
     """
-    y32 = upcast(y)
-    y32 = y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)
-    y32 = y32 * upcast(weight).view(y.shape[-2], y.shape[-1]) * F.silu(upcast(gate))
-    return cast(y32, y.dtype)
+    y32 = F.rms_norm(upcast(y), y.shape[-1:], eps=eps)  # one fused op (the weight is per head, not per channel)
+    return cast(y32 * upcast(weight).view(y.shape[-2:]) * F.silu(upcast(gate)), y.dtype)
 
 
 def kv_gate(x: Tensor, gate_input: Tensor, kind: str) -> Tensor:

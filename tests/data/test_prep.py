@@ -14,7 +14,7 @@ from oryx_megatron.data.loader import ShardLoader
 from oryx_megatron.data.shards import Manifest, read_documents
 from oryx_megatron.data_prep import PrepError
 from oryx_megatron.data_prep.inputs import InputOptions, Piece, expand_inputs, iter_documents, plan_shards, stdlib_files
-from oryx_megatron.data_prep.pipeline import tokenize_corpus
+from oryx_megatron.data_prep.pipeline import processes, tokenize_corpus
 from oryx_megatron.data_prep.tokenizer import ByteTokenizer, train_bpe
 from tests.data.conftest import LINE_BYTES, prepare, unique_docs, write_jsonl
 
@@ -71,6 +71,22 @@ def test_split_pieces_hold_every_document_once(tmp_path):
         plan = plan_shards(files, shard_bytes, InputOptions())
         pieces = [d for shard in plan for piece in shard for d in iter_documents(piece, InputOptions(), Counter())]
         assert pieces == whole
+        counted = Counter()  # the plan's input bytes per file: its size (Parquet: the row groups' sizes)
+        for piece in (piece for shard in plan for piece in shard):
+            counted[piece.path] += piece.nbytes
+        row_groups = pq.ParquetFile(files[1]).metadata
+        assert counted == {str(f): sum(row_groups.row_group(i).total_byte_size for i in range(row_groups.num_row_groups))
+                           if f.suffix == ".parquet" else f.stat().st_size for f in files}
+
+
+def test_processes_keep_the_pool_busy_or_leave_the_cores_to_the_tokenizer():
+    """A pool of whole shards where the longest-first schedule stays within POOL_BALANCE of an even split, else one
+    process with the tokenizer's threads (the 300 MiB corpus of docs/data.md: shards of 256 and 44 MiB)."""
+    assert processes([256, 44], 2) == 1  # one process would tokenize 85% of the input alone
+    assert processes([256, 256, 256], 2) == 1  # 2 shards to one process: an even split is 75% of it
+    assert processes([256] * 7 + [44], 2) == 2  # 1,024 + 812: 0.90 of the longer
+    assert processes([256] * 4, 4) == 4
+    assert processes([256], 2) == processes([256] * 8, 1) == 1
 
 
 def _digest(out):
