@@ -24,7 +24,7 @@ class TokenEmbedding(LanguageModelEmbedding):
         c = self.config
         self.solo = (self.tp_group.size() == 1 and not self.add_position_embedding and self.num_tokentypes == 0
                      and not c.sequence_parallel and not c.fp32_residual_connection
-                     and getattr(self.word_embeddings, "gtp_remat_size", 1) == 1)  # megatron 0.19's rematerialised weight
+                     and getattr(self.word_embeddings, "gtp_remat_size", 1) == 1)  # 0.19's rematerialised weight
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, tokentype_ids=None) -> Tensor:
         """input_ids [b, s] -> [s, b, hidden]."""

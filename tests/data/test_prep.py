@@ -74,8 +74,8 @@ def test_split_pieces_hold_every_document_once(tmp_path):
         counted = Counter()  # the plan's input bytes per file: its size (Parquet: the row groups' sizes)
         for piece in (piece for shard in plan for piece in shard):
             counted[piece.path] += piece.nbytes
-        row_groups = pq.ParquetFile(files[1]).metadata
-        assert counted == {str(f): sum(row_groups.row_group(i).total_byte_size for i in range(row_groups.num_row_groups))
+        groups = pq.ParquetFile(files[1]).metadata
+        assert counted == {str(f): sum(groups.row_group(i).total_byte_size for i in range(groups.num_row_groups))
                            if f.suffix == ".parquet" else f.stat().st_size for f in files}
 
 
