@@ -17,6 +17,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from oryx_megatron.checkpoint import FORMAT_VERSION, load_common, load_sharded, verify_checkpoint
+from oryx_megatron.parallel import context_parallel
 
 OPTIMIZER_FORMAT = "fully_reshardable"  # the distributed optimizer's: loads at any layout (docs/training.md)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": OPTIMIZER_FORMAT}
@@ -43,7 +44,7 @@ def _rng_state() -> ShardedObject:
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(),
-    ] + ([parallel_state.get_context_parallel_rank()] if parallel_state.get_context_parallel_world_size() > 1 else [])
+    ] + ([parallel_state.get_context_parallel_rank()] if context_parallel() else [])
     return ShardedObject("rng_state", state, tuple(_layout()), tuple(coordinates), replica_id=0)
 
 
