@@ -24,6 +24,7 @@ from oryx_megatron.inference import (
 from oryx_megatron.inference.sampling import top_k_mask, top_p_mask
 from oryx_megatron.mixer import KV_BLOCK
 from oryx_megatron.models.builder import build_model, transformer_config
+from oryx_megatron.models import transformer_step
 from tests.helpers import tiny_args
 
 pytestmark = pytest.mark.usefixtures("single_process_parallel", "one_thread")
@@ -148,13 +149,15 @@ def test_transformer_cached_generation_equals_parallel_recompute(transformer):
 
 
 def test_transformer_cache_grows_by_a_block_when_full(transformer):
+    """A prefill, a 3-token call on the filled cache across its capacity (an offset causal mask), then steps."""
     ids = torch.tensor(prompts((KV_BLOCK + 4,), seed=5))
     transformer.eval()
     with torch.no_grad():
         want = transformer(ids)
         cache = transformer.allocate_inference_cache(1, torch.float64)  # KV_BLOCK positions
         got = [transformer(ids[:, : KV_BLOCK - 2], inference_cache=cache)]
-        got += [transformer(ids[:, t : t + 1], inference_cache=cache) for t in range(KV_BLOCK - 2, KV_BLOCK + 4)]
+        got += [transformer(ids[:, KV_BLOCK - 2 : KV_BLOCK + 1], inference_cache=cache)]
+        got += [transformer(ids[:, t : t + 1], inference_cache=cache) for t in range(KV_BLOCK + 1, KV_BLOCK + 4)]
     assert cache[0].capacity == 2 * KV_BLOCK and cache[0].seqlen == KV_BLOCK + 4
     assert (torch.cat(got, dim=1) - want).abs().max() < 1e-12
 
@@ -184,6 +187,7 @@ def test_transformer_documents_need_the_local_core_attention(transformer, monkey
     """Transformer Engine's core attention (here: any other than the local spec's) gets no explicit mask."""
     transformer.eval()
     monkeypatch.setattr(transformer.decoder.layers[0].self_attention, "core_attention", torch.nn.Identity())
+    monkeypatch.setattr(transformer, "direct_step", transformer_step.supports(transformer))  # False, as built so
     ids = torch.tensor(prompts((6,)))
     with pytest.raises(ValueError, match=r"^the Transformer baseline reads packed documents \(reset_at_eod\) .* "
                                          r"with model.transformer_impl=local only"):

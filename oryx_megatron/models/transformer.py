@@ -5,9 +5,10 @@ Cached decoding goes through megatron's static inference path (``StaticInference
 [capacity, b, groups, d] key and value buffer that each attention layer appends to, rotary angles of the
 absolute positions). ``TransformerCache`` holds that context behind the cache interface the generation
 loop calls (``reserve``, ``snapshot`` / ``restore``, ``start_documents``, ``nbytes``, ``seqlen``,
-``position``): one cache for every layer, so ``allocate_inference_cache`` returns a list of one. A one-token
-step without a mask reads megatron's layers and the same buffers directly (``transformer_step``: megatron's
-per-call plumbing costs more than a tiny model's arithmetic).
+``position``): one cache for every layer, so ``allocate_inference_cache`` returns a list of one. A model of
+megatron's local spec reads its layers and these buffers directly (``transformer_step``: megatron's per-call
+plumbing costs more than a tiny model's arithmetic), keeping the keys rotated; any other model decodes
+through megatron's forward, which keeps them unrotated.
 
 Masks: megatron masks a prefill causally and lets a one-token step read every cached key; packed
 documents (``document_ids``, ``start_documents``) and a multi-token call on a filled cache get an explicit
@@ -28,7 +29,7 @@ from oryx_megatron.compat.megatron import last_token_logits_only, static_inferen
 from oryx_megatron.layers.gpt_attention import CausalSDPAttention
 from oryx_megatron.models.layer_init import layer_init_rng
 from oryx_megatron.mixer.state import kv_capacity
-from oryx_megatron.models.transformer_step import decode_step, rotary_tables, supports
+from oryx_megatron.models.transformer_step import cached_step, rotary_tables, supports
 from oryx_megatron.ops.chunking import document_starts
 
 
@@ -58,7 +59,7 @@ class TransformerCache:
         self.position = torch.zeros((), dtype=torch.long, device=device)
         self.document_start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.documents = False  # whether documents were ever given: then every call gets an explicit mask
-        self.dtype, self.tables = dtype, None  # the decode step's rotary cos, sin of the capacity (made on first use)
+        self.dtype, self.tables = dtype, None  # cached_step's rotary cos, sin of the capacity (made on first use)
 
     @property
     def seqlen(self) -> int:
@@ -86,7 +87,7 @@ class TransformerCache:
         return True
 
     def rotary(self, model) -> Tuple[Tensor, Tensor]:
-        """cos, sin [capacity, 1, 1, d] of the decode step (``transformer_step.rotary_tables``), kept per capacity."""
+        """cos, sin [capacity, 1, 1, d] of ``cached_step`` (``transformer_step.rotary_tables``), kept per capacity."""
         if self.tables is None or self.tables[0].shape[0] != self.capacity:
             self.tables = rotary_tables(model, self.capacity, self.dtype)
         return self.tables
@@ -157,7 +158,7 @@ class TransformerBaseline(GPTModel):
 
     def __init__(self, config, transformer_layer_spec, **kwargs):
         super().__init__(config, transformer_layer_spec, position_embedding_type="rope", **kwargs)
-        self.direct_step = supports(self)  # one-token steps by ``transformer_step.decode_step``
+        self.direct_step = supports(self)  # cached calls by ``transformer_step.cached_step``
 
     def forward(self, input_ids, modes=None, labels=None, inference_cache: Optional[List[TransformerCache]] = None,
                 last_token_logits: bool = False, document_ids=None):
@@ -182,8 +183,8 @@ class TransformerBaseline(GPTModel):
         s = input_ids.shape[1]
         cache.reserve(cache.seqlen + s)
         mask = cache.attention_mask(s, document_ids)
-        if mask is None and s == 1 and cache.seqlen > 0 and self.direct_step:  # megatron's layers read directly
-            return decode_step(self, input_ids, cache)
+        if self.direct_step:  # megatron's layers read directly; the cache's keys kept rotated
+            return cached_step(self, input_ids, cache, mask, last_token_logits)
         if mask is not None and not isinstance(self.decoder.layers[0].self_attention.core_attention,
                                                CausalSDPAttention):
             raise ValueError("the Transformer baseline reads packed documents (reset_at_eod) and several new tokens "
