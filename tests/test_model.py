@@ -187,3 +187,22 @@ def test_plain_inference_forward_equals_megatrons(family):
     with torch.no_grad():
         plain = model(tokens, modes)
     assert torch.equal(plain, model(tokens, modes).detach())
+
+
+def test_a_rematerialised_weight_keeps_megatrons_forward(monkeypatch):
+    """megatron 0.19 shards a weight over its gtp_remat group (``gtp_remat_size > 1``, rematerialised in its forward):
+    the plain paths, which read the weight as it lies, are off for the embedding, the linears and the MLP. Simulated
+    here by the attribute megatron's constructors set."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    from oryx_megatron.layers.linear import ColumnLinear, RowLinear
+
+    for cls in (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding):
+        def remat_init(self, *args, _init=cls.__init__, **kwargs):
+            _init(self, *args, **kwargs)
+            self.gtp_remat_size = 2
+        monkeypatch.setattr(cls, "__init__", remat_init)
+    model, _ = tiny_model("oryx_tg")
+    linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
+    assert len(linears) > 4 and not any(m.solo for m in linears)
+    assert not model.embedding.solo and not model.decoder.layers[0].mlp.plain

@@ -20,7 +20,7 @@ class _PlainAtOneRank:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.solo = self.tp_group.size() == 1
+        self.solo = self.tp_group.size() == 1 and getattr(self, "gtp_remat_size", 1) == 1  # 0.19's sharded weight
 
     def _plain(self, input_: Tensor, weight: Tensor) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
         """The plain forward, or None where megatron's own must run (TP > 1, or under autograd)."""
