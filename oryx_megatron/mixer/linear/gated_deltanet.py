@@ -10,13 +10,17 @@ Per token t and head, with q_t = q_lin_t and k_t L2-normalised and the state S [
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from oryx_megatron.config import MixerConfig
 from oryx_megatron.mixer.heads import HeadShard
 from oryx_megatron.mixer.linear.base import LinearMixer
 from oryx_megatron.ops import Documents, Kernels, upcast
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``F.normalize(x, dim=-1, eps=eps)`` bit for bit, without its Python layers (``torch.norm``'s): [.., d]."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(eps)
 
 
 class GatedDeltaNetMixer(LinearMixer):
@@ -48,7 +52,7 @@ class GatedDeltaNetMixer(LinearMixer):
     def _inputs(self, x: Dict[str, Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """The kernel's inputs, for any leading shape [..]: L2-normalised query and key
         [.., h, d_k], log decay a and write strength beta [.., h] (fp32)."""
-        q, k = (F.normalize(x[name], p=2, dim=-1, eps=1e-6) for name in ("q_lin", "k"))
+        q, k = (l2_normalize(x[name]) for name in ("q_lin", "k"))
         a = self.A * self.time_step(x["alpha"])  # -exp(A_log) softplus(W_a x + dt_bias)
         beta = torch.sigmoid(upcast(x["beta"][..., 0]))  # sigmoid(W_b x)
         return q, k, a, beta
