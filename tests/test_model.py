@@ -191,7 +191,8 @@ def test_plain_inference_forward_equals_megatrons(family):
 
 def test_a_rematerialised_weight_keeps_megatrons_forward(monkeypatch):
     """megatron 0.19 shards a weight over its gtp_remat group (``gtp_remat_size > 1``, rematerialised in its forward):
-    the plain paths, which read the weight as it lies, are off for the embedding, the linears and the MLP. Simulated
+    the plain paths, which read the weight as it lies, are off for the embedding, the linears, the MLP and the
+    Transformer baseline's cached step. Simulated
     here by the attribute megatron's constructors set."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -206,3 +207,5 @@ def test_a_rematerialised_weight_keeps_megatrons_forward(monkeypatch):
     linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
     assert len(linears) > 4 and not any(m.solo for m in linears)
     assert not model.embedding.solo and not model.decoder.layers[0].mlp.plain
+    transformer, _ = tiny_model("transformer")
+    assert not transformer.direct_step  # its cached calls go through megatron's forward

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from torch import Tensor
 
+from oryx_megatron.layers.linear import rematerialised
+
 
 class TokenEmbedding(LanguageModelEmbedding):
     """``LanguageModelEmbedding`` of token embeddings only (no position or token-type embedding), plain at TP=1
@@ -24,7 +26,7 @@ class TokenEmbedding(LanguageModelEmbedding):
         c = self.config
         self.solo = (self.tp_group.size() == 1 and not self.add_position_embedding and self.num_tokentypes == 0
                      and not c.sequence_parallel and not c.fp32_residual_connection
-                     and getattr(self.word_embeddings, "gtp_remat_size", 1) == 1)  # 0.19's rematerialised weight
+                     and not rematerialised(self.word_embeddings))
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, tokentype_ids=None) -> Tensor:
         """input_ids [b, s] -> [s, b, hidden]."""

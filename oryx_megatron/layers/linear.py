@@ -15,12 +15,18 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import Tensor
 
 
+def rematerialised(module: torch.nn.Module) -> bool:
+    """Whether megatron (0.19+) shards ``module``'s weight over its gtp_remat group and rematerialises it in its own
+    forward: a plain forward reading the weight as it lies would be wrong there."""
+    return getattr(module, "gtp_remat_size", 1) > 1
+
+
 class _PlainAtOneRank:
     """The shared fast path: at TP=1 without autograd, (F.linear(x, weight[, bias]), bias if skip_bias_add)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.solo = self.tp_group.size() == 1 and getattr(self, "gtp_remat_size", 1) == 1  # 0.19's sharded weight
+        self.solo = self.tp_group.size() == 1 and not rematerialised(self)
 
     def _plain(self, input_: Tensor, weight: Tensor) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
         """The plain forward, or None where megatron's own must run (TP > 1, or under autograd)."""

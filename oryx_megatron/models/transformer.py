@@ -13,8 +13,8 @@ through megatron's forward, which keeps them unrotated.
 Masks: megatron masks a prefill causally and lets a one-token step read every cached key; packed
 documents (``document_ids``, ``start_documents``) and a multi-token call on a filled cache get an explicit
 mask [b, 1, s, cached + s] instead, read by ``cached_step``'s SDPA or, for a model it does not compute, by the
-local spec's core attention (with the Transformer Engine spec they are refused in one line). The baseline reads attention only: no linear mode, no cache without keys and
-values, no CUDA graphs (the generation loop says so).
+local spec's core attention (with the Transformer Engine spec they are refused in one line). The baseline reads
+attention only: no linear mode, no cache without keys and values, no CUDA graphs (the generation loop says so).
 """
 
 from dataclasses import dataclass

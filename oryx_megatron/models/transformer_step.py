@@ -16,7 +16,7 @@ writes is read by this step only: ``TransformerBaseline`` sends every cached cal
 prefill included. It reads the same megatron functions for the rotary angles and the rotate-half, so the logits
 are megatron's (tests/test_generation.py compares cached decoding with a parallel recompute). ``supports`` says
 whether a model is one it computes (the local spec at TP=1, no q/k norm, no MoE, no output gate, pre-norm
-residuals); any other decodes through megatron's own forward.
+residuals, no weight megatron rematerialises); any other decodes through megatron's own forward.
 """
 
 from typing import Optional, Tuple
@@ -28,6 +28,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from torch import Tensor
 
 from oryx_megatron.layers.gpt_attention import CausalSDPAttention
+from oryx_megatron.layers.linear import rematerialised
 
 
 def supports(model) -> bool:
@@ -36,7 +37,7 @@ def supports(model) -> bool:
     if (config.tensor_model_parallel_size != 1 or config.num_moe_experts is not None or config.fp32_residual_connection
             or config.apply_residual_connection_post_layernorm or config.multi_latent_attention
             or config.rotary_interleaved or getattr(config, "attention_output_gate", False)
-            or getattr(model, "rotary_pos_emb", None) is None):
+            or getattr(model, "rotary_pos_emb", None) is None or any(map(rematerialised, model.modules()))):
         return False
     for layer in model.decoder.layers:
         attention = layer.self_attention
