@@ -47,8 +47,11 @@ built by their constructors, on the CPU, and ``use_kernels`` is checked False (`
 
 Each row: prefill ms (one cached forward of the prompt; for the peers, from ``generate``'s start to its first token),
 decode ms per generated token after the first (``GenerationStats`` for ours; for the peers the clock of a streamer,
-``StepClock``, that ``generate`` hands the prompt and then each new token), and their ratios ours / peer. Repeats interleave ours and the peer's; medians are reported. ``--check``
-exits 1 when a decode ratio exceeds its target (same-weight peers: batch 1 0.8, batch 8 1.0; foreign peers: 1.0).
+``StepClock``, that ``generate`` hands the prompt and then each new token), and their ratios ours / peer. Repeats
+interleave ours and the peer's; medians are reported. ``--check`` exits 1 when a decode ratio exceeds its target,
+issue 43's: the Transformer against Llama and the Oryx families against the pinned front end 0.8 at batch 1 and 1.0
+at batch 8; foreign peers 1.0. The issue sets no target for the gdn / mamba2 baselines against the pinned front end
+(theirs are the foreign peers): those rows are held to 1.0, not slower on the same weights.
 """
 
 import argparse
@@ -81,6 +84,7 @@ SCHEDULES = {  # family -> the schedules of its rows
     "mamba2": ("all_linear",),
 }
 TARGETS = {1: 0.8, 8: 1.0}  # batch -> the largest decode ratio ours / same-weight peer that --check accepts
+BASELINES, BASELINE_TARGET = ("gdn", "mamba2"), 1.0  # single-mixer baselines against the pinned front end
 FOREIGN = {"mamba2": "mamba2", "oryx_tm": "mamba2", "gdn": "gdn", "oryx_tg": "gdn"}  # family -> its foreign peer
 FOREIGN_NAMES = {"mamba2": "Mamba2ForCausalLM", "gdn": "Qwen3NextForCausalLM (all GDN)"}
 FOREIGN_SCHEDULE, FOREIGN_TARGET = "all_linear", 1.0  # the rows against a foreign peer, at every batch
@@ -263,7 +267,14 @@ def compare(family, schedule, batch, subject, peer, name, prompt_len, new, repea
         if same_weights and mine[-1]["tokens"] != theirs[-1]["tokens"]:
             raise AssertionError(f"{family} {schedule} batch {batch}: greedy tokens differ from the peer's")
     return row(family, schedule, batch, name, mine[1:], theirs[1:],
-               TARGETS.get(batch, 1.0) if same_weights else FOREIGN_TARGET)
+               target(family, batch, same_weights))
+
+
+def target(family: str, batch: int, same_weights: bool) -> float:
+    """The largest decode ratio ours / peer that ``--check`` accepts for a row (the module docstring)."""
+    if not same_weights:
+        return FOREIGN_TARGET
+    return BASELINE_TARGET if family in BASELINES else TARGETS.get(batch, 1.0)
 
 
 def mamba2_model(args):

@@ -62,3 +62,22 @@ def test_the_foreign_peer_takes_our_shape_and_times_its_rows(family):
         assert list(r) == list(bench.COLUMNS) and r["target"] == bench.FOREIGN_TARGET
         assert min(r[k] for k in bench.COLUMNS[4:]) > 0
     assert name in bench.table(rows)
+
+
+def test_check_holds_each_row_to_the_issues_target(monkeypatch, capsys):
+    """--check: 0.8 at batch 1 for the Transformer and the Oryx families against their same-weight peers, 1.0 at
+    batch 8; 1.0 for the gdn / mamba2 baselines against the pinned front end and for every foreign peer."""
+    def rows_of(family, batches, *args):  # decode ratio 0.9 everywhere: only the 0.8 rows miss
+        for batch in batches:
+            for same_weights in (True, False):
+                timed = [dict(prefill_ms=1.0, decode_ms=0.9)], [dict(prefill_ms=1.0, decode_ms=1.0)]
+                yield bench.row(family, "all_linear", batch, "peer" if same_weights else "foreign", *timed,
+                                bench.target(family, batch, same_weights))
+
+    monkeypatch.setattr(bench, "rows_of", rows_of)
+    monkeypatch.setattr(bench, "extract_pinned", lambda folder: None)
+    assert bench.main(["--families", "gdn", "mamba2", "--check"]) == 0
+    assert bench.main(["--families", "gdn", "oryx_tg", "transformer", "--check"]) == 1
+    missed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("missed")]
+    assert missed == [f"missed: {family} all_linear batch 1 against peer: decode 0.90x > 0.8x"
+                      for family in ("oryx_tg", "transformer")]
