@@ -1,12 +1,12 @@
-"""Every checkpoint is verified before megatron reads it (``verify_checkpoint``): each file is present, no shard is
-shorter than ``.metadata`` says, every pickle in it loads with restricted unpicklers (``.metadata``: only
-torch.distributed.checkpoint's metadata classes; the common state (``common.pt``, or from megatron-core 0.19 the
-``common_state`` object in the shards: ``oryx_megatron.compat.megatron``) and the byte objects inside the
-shards: ``torch.load(weights_only=True)``), so the unrestricted ``pickle.load`` / ``torch.load(weights_only=False)``
-that megatron and torch.distributed.checkpoint then run over the same bytes execute no code; and every file
-still has the bytes its save wrote (``checksums.verify_checksums``; not in checkpoints written before
-checksums). A damaged checkpoint raises one ``CheckpointError`` naming the file; resuming skips it for the
-newest good one (``latest_checkpoint``)."""
+"""Every checkpoint is verified before megatron reads it (``verify_checkpoint``): each file is present, ``.metadata``
+places everything it lists in a shard, no shard is shorter than it says, every pickle in it loads with restricted
+unpicklers (``.metadata``: only torch.distributed.checkpoint's metadata classes; the common state (``common.pt``, or
+from megatron-core 0.19 the ``common_state`` object in the shards: ``oryx_megatron.compat.megatron``) and the byte
+objects inside the shards: ``torch.load(weights_only=True)``), so the unrestricted ``pickle.load`` /
+``torch.load(weights_only=False)`` that megatron and torch.distributed.checkpoint then run over the same bytes execute
+no code; and every file still has the bytes its save wrote (``checksums.verify_checksums``; not in checkpoints written
+before checksums). A damaged checkpoint raises one ``CheckpointError`` naming the file; resuming skips it for the
+newest good one (``latest_checkpoint``). A save runs the same checks before it publishes a checkpoint."""
 
 import importlib
 import io
@@ -112,14 +112,14 @@ def _load_metadata(file: Path):
 
 
 def verify_checkpoint(path: Path, checksums: bool = True) -> None:
-    """Raise CheckpointError (naming the file) unless every file of the checkpoint at ``path``
-    is present and readable: metadata.json, run_config.yaml, .metadata (restricted unpickler),
-    every ``__N_M.distcp`` shard it names at least as long as the byte ranges it lists, the
-    common state (``load_common``: weights_only) and every byte object in the shards
-    (weights_only); then, with ``checksums``, that every file matches its checksum
-    (``ChecksumMismatch``: a shard of the right length with flipped bits). A checkpoint written
-    before checksums has none to match; ``checksums=False`` (reading every byte of the
-    checkpoint again) is for a load of one that was verified whole already."""
+    """Raise CheckpointError (naming the file) unless every file of the checkpoint at ``path`` is present and
+    readable: metadata.json, run_config.yaml, .metadata (restricted unpickler), which places every tensor chunk
+    and byte object it lists in a shard file, every ``__N_M.distcp`` shard it names at least as long as the byte
+    ranges it lists, the common state (``load_common``: weights_only) and every byte object in the shards
+    (weights_only); then, with ``checksums``, that every file matches its checksum (``ChecksumMismatch``: a shard
+    of the right length with flipped bits). A checkpoint written before checksums has none to match;
+    ``checksums=False`` (reading every byte of the checkpoint again) is for a load of one that was verified whole
+    already, and for a save, whose writers hashed the bytes as they wrote them."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(path, "the directory does not exist")
@@ -133,6 +133,12 @@ def verify_checkpoint(path: Path, checksums: bool = True) -> None:
         items = metadata.state_dict_metadata
     except (AttributeError, TypeError):
         raise CheckpointError(path, f"{METADATA} is not a checkpoint metadata") from None
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    for key, item in items.items():  # where each tensor chunk and byte object lies: a shard file of storage_data
+        chunks = [None] if isinstance(item, BytesStorageMetadata) else [c.offsets for c in item.chunks]
+        if any(MetadataIndex(key, offsets) not in storage for offsets in chunks):
+            raise CheckpointError(path, f"{METADATA} lists {key} in no shard file")
     needed = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -144,8 +150,6 @@ def verify_checkpoint(path: Path, checksums: bool = True) -> None:
         if size < needed[name]:
             raise CheckpointError(path, f"{name} is truncated ({size} bytes, {METADATA} needs {needed[name]})")
     load_common(path, metadata)
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     byte_keys = {key for key, item in items.items() if isinstance(item, BytesStorageMetadata)}
     for index, info in storage.items():
         if index.fqn in byte_keys:
@@ -156,8 +160,8 @@ def verify_checkpoint(path: Path, checksums: bool = True) -> None:
                 torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as e:
                 detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise CheckpointError(path, f"{info.relative_path}: object {index.fqn} is unreadable ({detail[:200]})") \
-                    from None
+                raise CheckpointError(
+                    path, f"{info.relative_path}: object {index.fqn} is unreadable ({detail[:200]})") from None
     if checksums:
         verify_checksums(path)
 

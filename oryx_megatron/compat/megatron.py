@@ -17,6 +17,10 @@ number; nothing else in the project reads megatron-core's version (tests/test_st
   release). From 0.19 the save also takes an ``async_strategy``, whose default (NVIDIA's resiliency extension,
   ``nvidia_resiliency_ext``) is not installed: megatron's own, ``"mcore"``, is asked for where the torch strategy
   module offers the choice (its ``get_async_strategy``). 0.19 logs once that "MCore's async save is deprecated".
+- **Write results** (``discard_write_results``): every release hands a save's write results from its writer to its
+  finalize through ONE queue per process (``filesystem_async._results_queue``), from which the finalize takes the
+  first item. Results a save left there (its finalize never ran: the save failed, or its run did) would be read
+  as the next save's, whose ``.metadata`` would then describe the other save's files.
 - **The static inference context** (the Transformer baseline's KV cache, ``models.transformer``): built the
   same way in every release; whether a forward materialises only the last position's logits is the context's
   ``materialize_only_last_token_logits`` up to 0.18, its ``config``'s (an ``InferenceConfig``) from 0.19
@@ -86,6 +90,17 @@ def save_request(sharded_state: dict, path):
 
     choice = {"async_strategy": "mcore"} if hasattr(torch_strategy, "get_async_strategy") else {}
     return dist_checkpointing.save(sharded_state, str(path), async_sharded_save=True, **choice)
+
+
+def discard_write_results() -> int:
+    """Empty megatron's queue of write results (the module docstring); how many results it held."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    results, discarded = filesystem_async._results_queue, 0
+    while results is not None and not results.empty():
+        results.get()
+        discarded += 1
+    return discarded
 
 
 def static_inference_context(batch_size: int, capacity: int):

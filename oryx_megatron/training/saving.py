@@ -12,8 +12,9 @@ writes this rank's shards. Here that function is wrapped to hash each file it wr
 
 Then the request's finalize functions run on every rank: ``_gather_writes`` (what every rank's writer reported:
 its files' hashes, or how it died), megatron's (rank 0 writes ``.metadata``, then ``metadata.json``), then
-``_publish``: rank 0 writes ``run_config.yaml``, ``checksums.sha256`` (``checkpoint.checksums``: last, so a
-checkpoint that has it is complete), moves `latest` and applies retention. A kill anywhere before that leaves
+``_publish``: rank 0 writes ``run_config.yaml``, checks the files against ``.metadata`` (``verify_checkpoint``),
+writes ``checksums.sha256`` (``checkpoint.checksums``: last, so a checkpoint that has it is complete), moves
+`latest` and applies retention. A kill anywhere before that leaves
 `latest` on the previous complete checkpoint. A writer that died while the trainer lives (killed, out of memory;
 or one of the worker processes megatron-core 0.16 forks per file, 0.19 writing in threads, which ``_WorkerWatch``
 notices, since megatron would wait for it forever) fails the save on every rank as ONE ``CheckpointError`` line
@@ -51,9 +52,10 @@ from oryx_megatron.checkpoint import (
     iteration_dir,
     iteration_of,
     latest_name,
+    verify_checkpoint,
     write_checksums,
 )
-from oryx_megatron.compat.megatron import save_request
+from oryx_megatron.compat.megatron import discard_write_results, save_request
 from oryx_megatron.training.checkpointing import run_state
 
 logger = logging.getLogger("oryx_megatron.train")
@@ -173,6 +175,8 @@ class CheckpointSaver:
         ``checkpoint/blocking_s`` and those of the one it waited for."""
         start = time.perf_counter()
         waited_for = self.finish()
+        if discarded := discard_write_results():  # of saves that never completed: never read as this one's
+            logger.warning("discarded the write results of %d earlier save(s) that did not complete", discarded)
         path = _empty_directory(self.ckpt_dir, iteration)
         request = save_request(run_state(model_chunks, optimizer, scheduler, loader, iteration, extra), path)
         writer = None
@@ -225,19 +229,25 @@ class CheckpointSaver:
         results: one CheckpointError naming the checkpoint and the rank; `latest` stays where it is."""
         gathered: List[Report] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, writer.report() if writer is not None else ({}, 0.0))
-        failed = [f"rank {rank}'s {why}" for rank, why in enumerate(gathered) if isinstance(why, str)]
-        if failed:
-            latest = latest_name(self.ckpt_dir)
-            raise CheckpointError(path, f"the save failed: {'; '.join(failed)}; `latest` still names "
-                                        f"{latest.name if latest is not None else 'no checkpoint'}")
+        self._fail_if(path, [f"rank {rank}'s {why}" for rank, why in enumerate(gathered) if isinstance(why, str)])
         reports.extend(gathered)
 
     def _publish(self, path: Path, run_config_yaml: str, reports: List[Report]) -> None:
         """The last finalize function (every rank; megatron's finalize has written .metadata and
-        metadata.json): rank 0 writes run_config.yaml and the checksums (the shards' from their writers'
-        ``reports``), moves `latest` and applies retention."""
+        metadata.json): rank 0 writes run_config.yaml and checks what it would publish (``verify_checkpoint``
+        without the checksums: the writers hashed the bytes as they wrote them; a failure fails the save on every
+        rank), then writes the checksums (the shards' from their writers' ``reports``), moves `latest` and
+        applies retention."""
+        damage = [None]
         if dist.get_rank() == 0:
             (path / RUN_CONFIG).write_text(run_config_yaml)
+            try:
+                verify_checkpoint(path, checksums=False)
+            except CheckpointError as e:
+                damage = [f"it wrote a damaged checkpoint: {e.reason}"]
+        dist.broadcast_object_list(damage, src=0)
+        self._fail_if(path, [why for why in damage if why is not None])
+        if dist.get_rank() == 0:
             write_checksums(path, {name: sha for file_hashes, _ in reports for name, sha in file_hashes.items()})
             _write_latest(self.ckpt_dir, path.name)
             apply_retention(self.ckpt_dir, self.keep_last, self.keep_every)
@@ -245,6 +255,13 @@ class CheckpointSaver:
         if self.queue is not None:
             self._completed["checkpoint/background_s"] = max(s for _, s in reports)
         logger.info("saved %s", path)
+
+    def _fail_if(self, path: Path, failures: List[str]) -> None:
+        """One CheckpointError naming the checkpoint, its ``failures`` and where `latest` stays, if any."""
+        if failures:
+            latest = latest_name(self.ckpt_dir)
+            raise CheckpointError(path, f"the save failed: {'; '.join(failures)}; `latest` still names "
+                                        f"{latest.name if latest is not None else 'no checkpoint'}")
 
 
 def save_checkpoint(ckpt_dir: str, iteration: int, model_chunks, optimizer, scheduler, loader,

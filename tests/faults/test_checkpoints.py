@@ -71,20 +71,27 @@ def truncate(file: Path) -> None:
     os.truncate(file, file.stat().st_size // 2)
 
 
+def largest(storage_data: dict):
+    """The MetadataIndex of the largest item of a ``.metadata``'s storage_data (the largest tensor)."""
+    return max(storage_data, key=lambda index: storage_data[index].length)
+
+
 def largest_tensor(ckpt: Path):
     """Where the bytes of a checkpoint's largest tensor lie: (shard file name, offset, length)."""
-    info = max(pickle.loads((ckpt / ".metadata").read_bytes()).storage_data.values(), key=lambda i: i.length)
+    storage = pickle.loads((ckpt / ".metadata").read_bytes()).storage_data
+    info = storage[largest(storage)]
     return info.relative_path, info.offset, info.length
 
 
 def version_dependent_names(ckpt: Path) -> dict:
     """The names in a checkpoint that depend on megatron-core's version: its first and last shard file
-    (two per rank up to 0.16, one from 0.17), the shard holding its largest tensor, and where the common
-    state lies (common.pt up to 0.18, an object inside a shard from 0.19)."""
+    (two per rank up to 0.16, one from 0.17), its largest tensor and the shard holding it, and where the
+    common state lies (common.pt up to 0.18, an object inside a shard from 0.19)."""
     shards = sorted(p.name for p in ckpt.glob("*.distcp"))
     where = common_state_location(ckpt, pickle.loads((ckpt / ".metadata").read_bytes()))
+    storage = pickle.loads((ckpt / ".metadata").read_bytes()).storage_data
     return {"first_shard": shards[0], "last_shard": shards[-1], "tensor_shard": largest_tensor(ckpt)[0],
-            "common_state": where.name}
+            "common_state": where.name, "largest_tensor": largest(storage).fqn}
 
 
 def flip_a_byte(file: Path) -> None:
@@ -95,6 +102,13 @@ def flip_a_byte(file: Path) -> None:
         byte = f.read(1)[0]
         f.seek(offset + length // 2)
         f.write(bytes([byte ^ 0xFF]))
+
+
+def unplace_the_largest_tensor(metadata: Path) -> None:
+    """Drop from ``.metadata``'s storage_data where the checkpoint's largest tensor lies (it still lists it)."""
+    loaded = pickle.loads(metadata.read_bytes())
+    del loaded.storage_data[largest(loaded.storage_data)]
+    metadata.write_bytes(pickle.dumps(loaded))
 
 
 def zero_common_state(ckpt: Path) -> None:
@@ -111,6 +125,7 @@ DAMAGES = {  # name: (file of iter_0000004, what is done to it, the reason logge
     "last_shard": ("{last_shard}", Path.unlink, "{last_shard} is missing (named by .metadata)"),
     "common": (".", zero_common_state, "{common_state} is truncated or unreadable ("),
     "metadata": (".metadata", truncate, ".metadata is truncated or unreadable ("),
+    "metadata_storage": (".metadata", unplace_the_largest_tensor, ".metadata lists {largest_tensor} in no shard file"),
     "metadata_json": ("metadata.json", Path.unlink, "metadata.json is missing"),
     "run_config": ("run_config.yaml", lambda f: f.write_text(""), "run_config.yaml is truncated or unreadable ("),
 }
