@@ -5,6 +5,7 @@ sweep (selection on the validation split only), and its errors."""
 import json
 import logging
 import re
+import subprocess
 from pathlib import Path
 
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from oryx_megatron.experiments import config, driver, runs
 from oryx_megatron.experiments.config import load_experiment
 from oryx_megatron.experiments.runs import choose_lr, overrides
 from oryx_megatron.experiments.tables import markdown_table, pivot_table, summarize, sweep_table
+from oryx_megatron.source import git_source, source_label
 
 ROUTING = {"all_linear", "all_attention", "oracle", *(f"{kind}@{tag}" for kind in ("router", "random", "first", "last",
                                                                                   "entropy") for tag in ("0.1", "p0.5"))}
@@ -128,13 +130,30 @@ def test_e1_mixed_mode_reads_under_ten_percent_attention():
     assert attention_tokens / exp.train["data"]["seq_length"] < 0.10
 
 
-def test_a_finished_run_is_reused(tmp_path, caplog):
+def test_a_finished_run_is_reused(tmp_path, caplog, monkeypatch):
+    """Runs are keyed by their config: a run trained by other code is reused too, with a warning naming both
+    commits; results.json and results.md say which code trained each tested run (its checkpoint's ``source``)."""
     caplog.set_level(logging.INFO, logger="oryx_megatron.experiment")
     args = ["e1_retrieval", "--smoke", "--seeds", "3", "--out", str(tmp_path), "train.train_iters=1"]
     assert main(args) == 0  # seed 3 is the sweep's: its run at the chosen lr is reused
-    assert main(args) == 0  # every run reused
     exp = load_experiment("e1_retrieval", smoke=True)
-    assert caplog.text.count("reusing") == len(exp.models) + len(exp.models) * (len(exp.lrs) + 1)
+    assert caplog.text.count("reusing") == len(exp.models) and "trained by the code at" not in caplog.text
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parents[1], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    here = source_label(git_source())
+    assert git_source()["commit"] == head and here.startswith(head[:12])
+    results = json.loads((tmp_path / "e1_retrieval/results.json").read_text())
+    assert list(results["trained_by"].values()) == [here] * len(exp.models)
+    assert f"Trained by the code at: {here} ({len(exp.models)} runs)" in \
+        (tmp_path / "e1_retrieval/results.md").read_text()
+    caplog.clear()
+    monkeypatch.setattr(runs, "git_source", lambda: {"commit": "f" * 40, "uncommitted_changes": False})
+    assert main(args) == 0  # every run reused, each trained by other code than this "checkout"'s
+    reused = [r for r in caplog.records if r.getMessage().startswith("reusing")]
+    assert len(reused) == len(exp.models) * (len(exp.lrs) + 1)
+    assert all(r.levelname == "WARNING" and re.fullmatch(
+        rf"reusing {tmp_path}/runs/\S+/checkpoints/iter_0000001, trained by the code at {re.escape(here)} \(this "
+        rf"checkout: ffffffffffff\); remove {tmp_path}/runs/\S+ to train it again", r.getMessage()) for r in reused)
 
 
 def test_overrides_flatten_nested_config():
@@ -191,6 +210,7 @@ def fake_runs(monkeypatch, test_accuracy):
 
     seen = []
     monkeypatch.setattr(driver, "train_and_load", train_and_load)
+    monkeypatch.setattr(driver, "trained_by", lambda checkpoint: "no code: a fake run")
     monkeypatch.setattr(driver, "validation_loss", lambda net, run, *args: VALIDATION[run.optimizer.lr])
     monkeypatch.setattr(driver, "evaluate", evaluate)
     monkeypatch.setattr(driver, "choose_lr", lambda losses: seen.append(losses) or choose_lr(losses))

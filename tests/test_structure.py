@@ -11,18 +11,19 @@ from tests.distributed import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 # What each part of the library may import (besides itself and third-party packages). From the bottom:
-# config (the schemas), compat, launch, parallel (foundation); ops; data, and data_prep over it (oryx-prep's library;
+# config (the schemas), compat, launch, parallel, source (foundation); ops; data, and data_prep over it (oryx-prep's library;
 # both know no model); mixer (the one mixer core: plain torch); run_config (oryx-train's schema); checkpoint (checkpoint
 # files); layers (megatron holders) <- models <- {training, inference}; hf (the transformers front end) over the
 # core, the schema and the data layer's mode vocabulary only, no megatron; eval; interop (checkpoint files to and from other formats); experiments and
 # checks (harnesses, out of the runtime path); cli on top (nothing imports the console scripts).
-FOUNDATION = {"config", "compat", "launch", "parallel"}
+FOUNDATION = {"config", "compat", "launch", "parallel", "source"}
 BELOW_MODELS = {"layers", "mixer", "ops", "data", "run_config", "checkpoint"} | FOUNDATION
 ALLOWED = {
     "ops": set(),
     "config": set(),
     "compat": set(),
     "launch": set(),
+    "source": set(),
     "parallel": {"compat", "launch"},
     "data": {"config"},
     "data_prep": {"config", "data"},  # oryx-prep's library: the tokenizers and the shard writer

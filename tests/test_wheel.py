@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from oryx_megatron.checkpoint import load_common
 from tests.test_structure import SOURCES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,8 +67,8 @@ def test_the_installed_commands_run_from_another_directory(installed, tmp_path):
     (tmp_path / "corpus.txt").write_text("def main():\n    return 42\n" * 200)
     bin_dir = site / "bin"
     commands = {
-        "where": [sys.executable, "-c", "import oryx_megatron, oryx_megatron.data_prep as prep; "
-                  "print(oryx_megatron.RECIPES_DIR); print(prep.__file__)"],
+        "where": [sys.executable, "-c", "import oryx_megatron, oryx_megatron.data_prep as prep, oryx_megatron.source "
+                  "as source; print(oryx_megatron.RECIPES_DIR); print(prep.__file__); print(source.git_source())"],
         "params": [bin_dir / "oryx-params", "model=tiny_oryx_tg"],
         "prep": [bin_dir / "oryx-prep", "tokenize", "corpus.txt", "--tokenizer", "byte", "--out", "data",
                  "--workers", "1"],
@@ -84,8 +85,9 @@ def test_the_installed_commands_run_from_another_directory(installed, tmp_path):
         out[name] = process.communicate(timeout=300)[0]
         assert process.returncode == 0, f"{name}: {out[name]}"
     assert out["where"].split() == [str(site / "oryx_megatron" / "recipes"),  # not the checkout's
-                                    str(site / "oryx_megatron" / "data_prep" / "__init__.py")]
+                                    str(site / "oryx_megatron" / "data_prep" / "__init__.py"), "None"]  # no checkout
     assert "total_params=" in out["params"] and "shared_fraction=" in out["params"]
     assert (tmp_path / "data" / "manifest.json").is_file() and "1 shards" in out["prep"]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000002"
+    assert load_common(tmp_path / "ckpt" / "iter_0000002")["source"] is None  # trained by no checkout's code
     assert (tmp_path / "run" / "loss_curve.png").is_file()

@@ -11,12 +11,12 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, Sequence
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
+from oryx_megatron.source import ROOT, git_source
+
 STAMP = ROOT / ".gpu" / "source.json"
 VERSIONS = {  # report name -> (distributions, module)
     "torch": (("torch",), "torch"),
@@ -52,23 +52,6 @@ def versions() -> Dict[str, str]:
     import torch
 
     return {name: torch.__version__ if name == "torch" else package_version(*where) for name, where in VERSIONS.items()}
-
-
-def _git(*args: str) -> Optional[str]:
-    try:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def git_source() -> Optional[dict]:
-    """The checkout's commit and whether the working tree differs from it; None without git or .git."""
-    commit = _git("rev-parse", "HEAD")
-    if commit is None:
-        return None
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    return {"commit": commit, "uncommitted_changes": dirty, "commit_date": _git("show", "-s", "--format=%cI", commit)}
 
 
 def source(stamp: Path = STAMP) -> dict:

@@ -5,14 +5,16 @@ import dataclasses
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Dict, List
 
+from oryx_megatron.checkpoint import latest_checkpoint
 from oryx_megatron.eval.validation import validation_loss
 from oryx_megatron.experiments.config import EVALS, Experiment, eval_arguments
 from oryx_megatron.experiments.plots import plot_bars, plot_curves, plot_fractions
 from oryx_megatron.experiments.runs import (
-    choose_lr, lr_overrides, overrides, run_overrides, train_and_load, width_overrides,
+    choose_lr, lr_overrides, overrides, run_overrides, train_and_load, trained_by, width_overrides,
 )
 from oryx_megatron.experiments.tables import markdown_table, pivot_table, summarize, sweep_table
 from oryx_megatron.run_config import TrainConfig
@@ -37,7 +39,7 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
     (if ``exp.lrs``), then train (or reuse) and test every seed; write the results."""
     exp_dir = out / exp.name
     exp_dir.mkdir(parents=True, exist_ok=True)
-    rows, sweeps, started = [], [], time.perf_counter()
+    rows, sweeps, sources, started = [], [], {}, time.perf_counter()
     for variant in exp.variants:
         base = run_overrides(exp) + overrides(exp.variants[variant] or {}) + extra
         widths = width_overrides(exp, base)
@@ -63,6 +65,7 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
                                                  + overrides(exp.joint), out) + ("joint:",))
                 for net, run, name, prefix in tested:
                     logger.info("testing %s", name)
+                    sources[name] = trained_by(latest_checkpoint(str(out / "runs" / name / "checkpoints")))
                     eval_dir = exp_dir / "evals" / name
                     eval_dir.mkdir(parents=True, exist_ok=True)
                     result = evaluate(exp, net, run, eval_dir)
@@ -74,22 +77,25 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
                    variants={k: overrides(v or {}) for k, v in exp.variants.items()}, eval=exp.eval,
                    match_params=exp.match_params, model_lrs=exp.model_lrs,
                    validation=dataclasses.asdict(exp.validation), sweeps=sweeps,
-                   wall_time_s=round(time.perf_counter() - started, 1), summary=summary, rows=rows)
+                   wall_time_s=round(time.perf_counter() - started, 1), trained_by=sources, summary=summary,
+                   rows=rows)
     (exp_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (exp_dir / "results.md").write_text(results_markdown(exp, summary, sweeps))
+    (exp_dir / "results.md").write_text(results_markdown(exp, summary, sweeps, sources))
     plot = {"mode_switch": plot_curves, "routing": plot_fractions}.get(exp.eval["task"])
     plot = plot(exp, rows, exp_dir) if plot else plot_bars(exp, summary, exp_dir)
     logger.info("wrote %s, results.md and %s (%.0f s)", exp_dir / "results.json", plot.name, results["wall_time_s"])
     return results
 
 
-def results_markdown(exp: Experiment, summary: List[dict], sweeps: List[dict]) -> str:
+def results_markdown(exp: Experiment, summary: List[dict], sweeps: List[dict], sources: Dict[str, str]) -> str:
+    """The tables, then which code trained the tested runs (``sources``: run name -> ``trained_by``)."""
     text = (f"# {exp.name}\n\n{exp.claim}\n\n## {exp.metrics[0]}\n\n{pivot_table(summary, exp.metrics[0])}\n\n"
             f"## All metrics\n\n{markdown_table(summary, exp.metrics)}\n")
     if sweeps:
         text += (f"\n## Learning rate: validation loss (seed {exp.validation.seed}, {exp.validation.num_samples} "
                  f"samples), sweep seeds {exp.sweep_seeds}\n\n{sweep_table(sweeps)}\n")
-    return text
+    counts = sorted(Counter(sources.values()).items())
+    return text + "\nTrained by the code at: " + ", ".join(f"{by} ({n} run{'s' * (n > 1)})" for by, n in counts) + "\n"
 
 
 def prefixed(row: dict, prefix: str) -> dict:

@@ -13,13 +13,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from oryx_megatron import RECIPES_DIR
-from oryx_megatron.checkpoint import latest_checkpoint
+from oryx_megatron.checkpoint import latest_checkpoint, load_common
 from oryx_megatron.config import FAMILY_MIXERS
 from oryx_megatron.config.router import ALIASES as ROUTER_ALIASES
 from oryx_megatron.experiments.config import Experiment
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.models.match_width import matched_ffn
 from oryx_megatron.run_config import TrainConfig, load_train_config, train_iters
+from oryx_megatron.source import git_source, source_label
 
 logger = logging.getLogger("oryx_megatron.experiment")
 
@@ -89,13 +90,24 @@ def train_or_reuse(run: TrainConfig, run_dir: Path) -> Path:
     ckpt_dir = run_dir / "checkpoints"
     latest = latest_checkpoint(str(ckpt_dir))
     if latest is not None and latest.name == f"iter_{train_iters(run):07d}":
-        logger.info("reusing %s", latest)
+        by, here = trained_by(latest), source_label(git_source())
+        if by == here:
+            logger.info("reusing %s", latest)
+        else:  # runs are keyed by their config, not by the code that trained them
+            logger.warning("reusing %s, trained by the code at %s (this checkout: %s); remove %s to train it again",
+                           latest, by, here, run_dir)
         return latest
     run = dataclasses.replace(run, checkpoint=dataclasses.replace(run.checkpoint, dir=str(ckpt_dir), save_at_end=True))
     exit_code = pretrain(run, str(run_dir))
     if exit_code:
         raise RuntimeError(f"training {run_dir} stopped early (exit code {exit_code}); rerun the experiment to resume")
     return latest_checkpoint(str(ckpt_dir))
+
+
+def trained_by(checkpoint: Path) -> str:
+    """The code that trained ``checkpoint`` (its last save), in a word: ``source_label`` of its common state's
+    ``source``; "unknown" for a checkpoint written before sources were recorded."""
+    return source_label(load_common(checkpoint).get("source"))
 
 
 def train_and_load(model: str, seed: int, config: List[str], out: Path):

@@ -3,11 +3,12 @@
 import json
 import logging
 import math
-import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+
+from oryx_megatron.source import git_source
 
 logger = logging.getLogger("oryx_megatron.train")
 
@@ -19,15 +20,6 @@ def memory_gb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 class MetricsLogger:
@@ -71,7 +63,7 @@ class MetricsLogger:
                 entity=self.logging_config.wandb_entity,
                 name=self.logging_config.run_name,
                 dir=str(self.output_dir),
-                config={**self.run_config, "git_commit": git_commit()},
+                config={**self.run_config, "source": git_source()},
                 id=run_id,
                 resume="allow",
             )
