@@ -99,7 +99,8 @@ data/stdlib/manifest.json: | venv
 # `experiments`: the sizes a 2-core CPU runs in ~3 h; `experiments-large`: the issue's E1
 # sizes (4 layers, 256 tokens; ~16 h on 2 CPU cores: a GPU's job).
 EXPERIMENTS := e1_retrieval_small e1_retrieval_small_16pairs e3_mode_switch_small e2_lm niah a1_shared_query \
-	a3_kv_gate e4_axes_small e4_axes_small_scattered e4_axes_small_lm
+	a3_kv_gate e4_axes_small e4_axes_small_scattered e4_axes_small_same_lr e4_axes_small_scattered_same_lr \
+	e4_axes_small_lm
 EXPERIMENTS_LARGE := e1_retrieval e1_retrieval_8pairs e3_mode_switch a2_sequence_mixing e4_axes
 experiments: venv data/stdlib/manifest.json
 	for e in $(EXPERIMENTS); do $(VENV)/bin/oryx-experiment $$e || exit 1; done

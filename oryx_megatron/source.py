@@ -1,8 +1,9 @@
 """The source this code runs from: the git commit of its checkout and whether the working tree differs from it.
 
-Read once per process (``git_source``). Training records it in W&B's config and in every checkpoint's common state
-(``source``), so that a checkpoint says which code trained it up to that save; ``oryx-experiment`` lists it for each
-run it reuses. An installed wheel (or a copy without ``.git``) has no checkout: None.
+Read once per process (``git_source``), by its first trainer, before it trains: the files may change while it runs,
+the code it imported does not. Training records it in W&B's config and in the common state of every checkpoint it
+saves (``source``), so that a checkpoint says which code trained it up to that save; ``oryx-experiment`` lists it for
+each run it reuses. An installed wheel (or a copy without ``.git``) has no checkout: None.
 """
 
 import functools

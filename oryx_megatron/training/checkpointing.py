@@ -18,7 +18,6 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from oryx_megatron.checkpoint import FORMAT_VERSION, load_common, load_sharded, verify_checkpoint
 from oryx_megatron.parallel import context_parallel
-from oryx_megatron.source import git_source
 
 OPTIMIZER_FORMAT = "fully_reshardable"  # the distributed optimizer's: loads at any layout (docs/training.md)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": OPTIMIZER_FORMAT}
@@ -176,9 +175,8 @@ def _load_optimizer(optimizer, state: dict) -> None:
 
 def run_state(model_chunks, optimizer, scheduler, loader, iteration: int, extra: Optional[dict] = None) -> dict:
     """What a checkpoint of ``iteration`` holds (every rank's part): the sharded model, optimizer and RNG
-    states, and the common state: iteration, LR schedule, loader, layout, ``format_version``, the code's ``source``
-    (``oryx_megatron.source``: its commit; None outside a checkout) and ``extra`` (e.g. the W&B run id;
-    ``compat.megatron`` says where it is written)."""
+    states, and the common state: iteration, LR schedule, loader, layout, ``format_version`` and ``extra`` (a
+    training run's: the W&B run id and the code's ``source``; ``compat.megatron`` says where it is written)."""
     state = _sharded_state(model_chunks, optimizer, is_loading=False, with_rng=True)
     state.update(
         iteration=iteration,
@@ -186,7 +184,6 @@ def run_state(model_chunks, optimizer, scheduler, loader, iteration: int, extra:
         loader=loader.state_dict(),
         layout=_layout(),
         format_version=FORMAT_VERSION,
-        source=git_source(),
         **(extra or {}),
     )
     return state

@@ -33,6 +33,7 @@ from oryx_megatron.training.builders import (
     model_config,
 )
 from oryx_megatron.run_config import TrainConfig, train_iters
+from oryx_megatron.source import git_source
 from oryx_megatron.training.joint_routing import JointRouting
 from oryx_megatron.training.metrics import MetricsLogger, memory_gb
 from oryx_megatron.training.preemption import PreemptionHandler
@@ -112,6 +113,7 @@ class Trainer:
                                      OmegaConf.to_container(OmegaConf.structured(run)))
         self.run_yaml = OmegaConf.to_yaml(OmegaConf.structured(run))  # saved with every checkpoint
         self.run_id: Optional[str] = None  # the W&B run id, chosen (or read from the checkpoint) by resume
+        self.source = git_source()  # the code this process runs, read now: the tree may change while it trains
         self.preemption = PreemptionHandler()
         self._resources.callback(self.preemption.restore)
         ckpt = run.checkpoint
@@ -275,7 +277,8 @@ class Trainer:
         with checkpoint.async_save, in the background (``saving``)."""
         if self.ckpt_dir:
             self.log_saves(self.saver.save(self.iteration, self.model, self.optimizer, self.scheduler,
-                                           self.loaders[0], self.run_yaml, extra={"run_id": self.run_id}))
+                                           self.loaders[0], self.run_yaml,
+                                           extra={"run_id": self.run_id, "source": self.source}))
 
     def log_saves(self, metrics: Dict[str, float]) -> None:
         """The checkpoint/ metrics of saves (``CheckpointSaver``), in a row of their own, at this iteration."""
