@@ -111,7 +111,8 @@ def _two_ranks_writers_held(tmp: str, corpus: dict) -> None:
                 _gate(f"{tmp}/sync", rank).parent.mkdir(exist_ok=True)
                 _gate(f"{tmp}/sync", rank).touch()
                 saving.save_checkpoint(f"{tmp}/sync", 2, trainer.model, trainer.optimizer, trainer.scheduler,
-                                       trainer.loaders[0], trainer.run_yaml, extra={"run_id": trainer.run_id})
+                                       trainer.loaders[0], trainer.run_yaml,
+                                       extra={"run_id": trainer.run_id, "source": trainer.source})
                 weights_at_2.extend(p.detach().clone() for p in trainer.model[0].parameters())
             save()
 
