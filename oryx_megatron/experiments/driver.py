@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List
 
-from oryx_megatron.checkpoint import latest_checkpoint
+from oryx_megatron.checkpoint import latest_name
 from oryx_megatron.eval.validation import validation_loss
 from oryx_megatron.experiments.config import EVALS, Experiment, eval_arguments
 from oryx_megatron.experiments.plots import plot_bars, plot_curves, plot_fractions
@@ -65,7 +65,8 @@ def run_experiment(exp: Experiment, out: Path, extra: List[str]) -> dict:
                                                  + overrides(exp.joint), out) + ("joint:",))
                 for net, run, name, prefix in tested:
                     logger.info("testing %s", name)
-                    sources[name] = trained_by(latest_checkpoint(str(out / "runs" / name / "checkpoints")))
+                    # the checkpoint train_and_load verified and loaded: read, not verified again
+                    sources[name] = trained_by(latest_name(str(out / "runs" / name / "checkpoints")))
                     eval_dir = exp_dir / "evals" / name
                     eval_dir.mkdir(parents=True, exist_ok=True)
                     result = evaluate(exp, net, run, eval_dir)
