@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from oryx_megatron.config import Mode
+from oryx_megatron.mixer.context import MixerContext
 from oryx_megatron.models.params import mixer_parameter_counts
 from tests.helpers import build_mixer, family_cases, linear_families, linear_mixer_of, mix
 
@@ -29,6 +30,11 @@ def hidden_states(seed=0, s=S):
 
 def run_parallel(mixer, x, modes):
     return mix(mixer, x, modes)
+
+
+def step(mixer, hidden, modes, cache):
+    """``OryxMixer.step``: one token per sequence, hidden [b, hidden], modes [b] -> [b, hidden]."""
+    return mixer(hidden, MixerContext.build(mixer.config, modes[:, None], decode=True), cache)[0]
 
 
 def run_decode(mixer, x, modes, prefill=0):
@@ -57,6 +63,45 @@ def test_prefill_then_decode_equals_parallel(family, prefill):
     x, modes = hidden_states(2), random_modes(3, chunk=4)
     ref = run_parallel(mixer, x, modes)
     assert (run_decode(mixer, x, modes, prefill=prefill) - ref).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_whose_sequences_stand_at_different_positions_decodes_as_each_alone(family):
+    """A serving engine's decode step: sequences at positions 5 and 17, each in its own row of slot buffers
+    (``MixerCache.rows``; a third slot idle), with modes of their own, step together as each steps alone."""
+    mixer, x, modes = build_mixer(family), hidden_states(7), random_modes(8)
+    starts, slots, steps = (5, 17), (2, 0), 8
+    alone, caches = [], []
+    for i, start in enumerate(starts):
+        cache = mixer.allocate_inference_cache(1, torch.float64)
+        mix(mixer, x[:start, i : i + 1], modes[i : i + 1, :start], cache)
+        caches.append(cache)
+        after = mixer.allocate_inference_cache(1, torch.float64)
+        mix(mixer, x[:start, i : i + 1], modes[i : i + 1, :start], after)
+        alone.append(torch.stack([step(mixer, x[t, i : i + 1], modes[i : i + 1, t], after)
+                                  for t in range(start, start + steps)]))  # [steps, 1, hidden]
+    shared = mixer.allocate_inference_cache(2, torch.float64)
+    for name in ("conv_state", "recurrent_state"):
+        if getattr(shared, name) is not None:
+            getattr(shared, name).copy_(torch.cat([getattr(c, name) for c in caches]))
+    if shared.key is not None:
+        for name in ("key", "value"):
+            buffers = getattr(caches[0], name).new_zeros(3, *getattr(caches[0], name).shape[1:])
+            for cache, slot in zip(caches, slots):
+                buffers[slot] = getattr(cache, name)[0]
+            setattr(shared, name, buffers)
+        shared.rows = torch.tensor(slots)
+    shared.position, shared.seqlen = torch.tensor(starts), max(starts)
+    together = []
+    for k in range(steps):
+        rows = torch.stack([x[start + k, i] for i, start in enumerate(starts)])  # [2, hidden]
+        together.append(step(mixer, rows, torch.stack([modes[i, start + k] for i, start in enumerate(starts)]), shared))
+    together = torch.stack(together)  # [steps, 2, hidden]
+    for i in range(2):
+        assert (together[:, i : i + 1] - alone[i]).abs().max() < 1e-12
+    assert shared.position.tolist() == [start + steps for start in starts]
+    if shared.key is not None:
+        assert shared.key[1].abs().max() == 0  # the idle slot is left alone
 
 
 @pytest.mark.parametrize("family", FAMILIES)

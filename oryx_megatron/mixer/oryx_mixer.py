@@ -156,8 +156,9 @@ class OryxMixer(HeadModule):
         """Decode one token per sequence: hidden [b, hidden] -> [b, hidden] (either front end's layout: the front
         ends hand their layers [b, hidden] at a decode step); ``context`` built with ``decode=True`` (or one Mode).
         With ``context.readouts`` both mixers read and their reads are appended there, [b, 1, h, 2, d_v].
-        Positions come from the cache's ``position`` tensor and every state is written in place: no host
-        synchronisation, so the step can be captured in a CUDA graph."""
+        Positions come from the cache's ``position`` tensor (one for the batch, or each sequence's: rotary, KV
+        write and attention read per sequence) and every state is written in place: no host synchronisation, so
+        the step can be captured in a CUDA graph."""
         x = self._streams(self._projection(hidden))  # stream -> [b, h, width]
         x.update(self._hidden_features(hidden))  # cross-head: [b, width]
         joint = self._conv_input(x)  # [b, h, conv width]
@@ -175,14 +176,16 @@ class OryxMixer(HeadModule):
                 self._refuse_attention_without_kv_cache(context)
             else:
                 cache.reserve(cache.seqlen + 1)  # host-side; a graph runner reserves before replaying
-                rotary = self._rotary_at(cache.position.view(1), cache.capacity, x["k"])
+                position = cache.position.view(1) if cache.position.dim() == 0 else cache.position[:, None]
+                rotary = self._rotary_at(position, cache.capacity, x["k"])  # cos, sin [1 or b, 1, d_k]
                 cache.write_at_position(self._rotary(x["k"][:, None], rotary), x["v"][:, None])
                 if Mode.ATTENTION in context.reads or context.readouts is not None:  # the query only where read
                     q = self._rotary(x[self.layout.attention_query][:, None], rotary)
                     eager = hidden.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+                    length = cache.seqlen + 1 if eager else None
                     outputs[Mode.ATTENTION] = decode_attention(
-                        q, cache.key, cache.value, cache.position, cache.document_start if cache.documents else None,
-                        length=cache.seqlen + 1 if eager else None)
+                        q, *cache.cached(length), cache.position, cache.document_start if cache.documents else None,
+                        length=length)
         if self.linear_mixer is not None:
             o, recurrent_state = self.linear_mixer.step(x, cache.recurrent_state)
             outputs[Mode.LINEAR] = o[:, None]

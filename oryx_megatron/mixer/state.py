@@ -36,18 +36,23 @@ class MixerCache:
     when a prefill or ``reserve`` needs more); the first ``seqlen`` hold the tokens so far.
     ``position`` is ``seqlen`` as a device tensor: the one-token step reads and advances only it,
     so that step can be captured in a CUDA graph (a replay leaves ``seqlen`` to the caller).
+
+    A serving engine's decode step batches sequences that stand at different positions: ``position`` [b] holds
+    each one's (``seqlen`` is then the largest), and ``rows`` [b] the row of the KV buffers each one owns (an
+    engine's slots: buffers of more rows than the batch, written in place, their capacity fixed).
     """
 
     conv_state: Tensor  # [b, h * conv width, conv_kernel - 1]: the conv streams' last inputs (OryxMixer._conv)
     key: Optional[Tensor]  # [b, capacity, h, d_k], rotated; None: no KV cache kept
     value: Optional[Tensor]  # [b, capacity, h, d_v]
     recurrent_state: Optional[Tensor]  # [b, h, d_k, d_v] fp32, None for attention-only
-    position: Tensor  # 0-dim long, on the device
+    position: Tensor  # 0-dim long, on the device; [b]: each sequence's own (see above; the one-token step only)
     document_start: Tensor  # [b] long: where each sequence's current document starts (keys before it are not read)
     seqlen: int = 0
     documents: bool = False  # a document may have started after position 0: document_start is read (host-side)
     conv_weight: Optional[Tensor] = None  # the layer's joint conv weight (OryxMixer._conv_weight), made at its first
     # step and kept: a model's weights do not change while one of its caches is in use (a generation)
+    rows: Optional[Tensor] = None  # [b] long: each sequence's row of key / value; None: row i is sequence i
 
     @property
     def capacity(self) -> int:
@@ -76,9 +81,21 @@ class MixerCache:
 
     def write_at_position(self, key: Tensor, value: Tensor) -> None:
         """Store one token's key/value [b, 1, h, d] at ``position`` (no host-side index)."""
-        index = self.position.view(1)
-        self.key.index_copy_(1, index, key)
-        self.value.index_copy_(1, index, value)
+        if self.position.dim() == 0 and self.rows is None:
+            index = self.position.view(1)
+            self.key.index_copy_(1, index, key)
+            self.value.index_copy_(1, index, value)
+            return
+        rows = torch.arange(key.shape[0], device=key.device) if self.rows is None else self.rows
+        self.key[rows, self.position] = key[:, 0]
+        self.value[rows, self.position] = value[:, 0]
+
+    def cached(self, length: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """The sequences' keys and values [b, length (None: capacity), h, d] (``rows``' copied out)."""
+        key, value = self.key[:, :length], self.value[:, :length]
+        if self.rows is None:
+            return key, value
+        return key[self.rows], value[self.rows]
 
     def initial_conv_state(self) -> Optional[Tensor]:
         """The conv state a prefill continues from: None before the first token (zero padding)."""

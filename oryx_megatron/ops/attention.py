@@ -101,23 +101,27 @@ def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, po
 
     Args:
         q: [b, 1, h, d_k]; key: [b, capacity, h, d_k]; value: [b, capacity, h, d_v];
-        position: 0-dim long tensor, the query's position (cache entries 0..position are read).
+        position: long, the query's position (cache entries 0..position are read): 0-dim (every sequence's), or
+            [b] (each sequence's own: a batch whose sequences stand at different positions).
         document_start: [b] long or None: the first position of each query's document (earlier
             entries, other documents', are not read).
-        length: position + 1 where the host knows it (an eager step; a CUDA graph replays the read without it):
-            only the first ``length`` entries are read, and without ``document_start`` no mask is built.
+        length: the largest position + 1 where the host knows it (an eager step; a CUDA graph replays the read
+            without it): only the first ``length`` entries are read, and with one position and without
+            ``document_start`` no mask is built.
     Returns:
         o [b, 1, h, d_v].
     """
     if length is not None:
         key, value = key[:, :length], value[:, :length]
-        if document_start is None:
+        if document_start is None and position.dim() == 0:
             return F.scaled_dot_product_attention(q.transpose(1, 2), key.transpose(1, 2),
                                                   value.transpose(1, 2)).transpose(1, 2)
     positions = torch.arange(key.shape[1], device=key.device)
-    visible = (positions <= position)[None]  # [1, capacity]
+    visible = positions <= position.view(-1, 1)  # [1 or b, capacity]
     if document_start is not None:
-        visible = (visible & (positions >= document_start[:, None]))[:, None, None]  # [b, 1, 1, capacity]
+        visible = visible & (positions >= document_start[:, None])
+    if document_start is not None or position.dim() == 1:
+        visible = visible[:, None, None]  # [b, 1, 1, capacity]
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=visible,
     )  # [b, h, 1, d_v]
