@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from oryx_megatron.hf.tokenizer import hf_tokenizer
 from oryx_megatron.inference.generation import generate
 from oryx_megatron.parallel import initialize_parallel
 from tests.helpers import PATTERN
@@ -20,6 +21,8 @@ FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer")  # the Transfo
 PATTERNS = {"oryx_tm_pattern": PATTERN}  # folder -> the layer pattern of every kind of layer (tests/helpers.py)
 SCHEDULES = ("all_attention", "all_linear", "prefill=linear decode=attention", "linear_then_attention n_last=20")
 NEW_TOKENS = 32
+TEXT = "def add(a, b):\n    return"  # a text prompt, through oryx_tg's folder's tokenizer (bytes: id = byte value)
+EOD_TOKEN = "<|endoftext|>"
 
 
 def prompts():
@@ -37,6 +40,12 @@ def main(out: str) -> None:
         args = tiny_args(PATTERNS.get(family, family))
         megatron = megatron_model(args)
         converted(megatron, args).save_pretrained(Path(out) / family)
+        if family == "oryx_tg":  # the byte tokenizer, as `oryx-export hf` writes a run's
+            hf_tokenizer(None, EOD_TOKEN, args.max_sequence_length).save_pretrained(Path(out) / family)
+            text = list(TEXT.encode())
+            expected["text"] = {"prompt": TEXT, "token_ids": text,
+                                "tokens": generate(megatron, [text], "all_linear", NEW_TOKENS,
+                                                    vocab_size=args.vocab_size).tokens[0]}
         expected["tokens"][family] = {
             schedule: generate(megatron, expected["prompts"], schedule, NEW_TOKENS, vocab_size=args.vocab_size).tokens
             for schedule in (SCHEDULES if family != "transformer" else ("all_attention",))}

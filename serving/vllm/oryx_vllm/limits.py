@@ -1,11 +1,13 @@
 """What a deployment may ask, checked at start-up: each refusal one line naming the setting (docs/serving.md)."""
 
+import importlib
 import logging
 from typing import Any
 
 from vllm.model_executor.models.config import MambaModelConfig
 
-from oryx_vllm.requests import OryxServingError, parse_schedule, serve
+from oryx_vllm import OryxServingError
+from oryx_vllm.requests import parse_schedule, serve
 
 logger = logging.getLogger("oryx_vllm")
 
@@ -14,16 +16,18 @@ SCHEDULE_KEY = "serving_schedule"  # --hf-overrides '{"serving_schedule": "prefi
 
 class OryxModelConfig(MambaModelConfig):
     """vLLM's start-up hook for the architecture (in the process that builds the config, before any engine
-    starts): prefix caching turned off, what the plugin does not serve refused, then vLLM's Mamba settings (a
-    state slot of max_model_len positions per request)."""
+    starts): prefix caching turned off (vLLM leaves it off for the architecture, attention-free to it, unless
+    asked), what the plugin does not serve refused, then vLLM's Mamba settings (a state slot of max_model_len
+    positions per request)."""
 
     @classmethod
     def verify_and_update_config(cls, vllm_config) -> None:
         if vllm_config.cache_config.enable_prefix_caching:
-            logger.warning("oryx-vllm: enable_prefix_caching turned off: each layer's state is one slot per "
-                           "request (vLLM's default; --no-enable-prefix-caching silences this)")
+            logger.warning("oryx-vllm: --enable-prefix-caching turned off: each layer's state is one slot per "
+                           "request")
             vllm_config.cache_config.enable_prefix_caching = False
         check_deployment(vllm_config)
+        check_core(vllm_config.model_config.hf_config)
         serving_schedule(vllm_config.model_config.hf_config, serve(vllm_config.model_config.hf_config))
         super().verify_and_update_config(vllm_config)
 
@@ -42,6 +46,15 @@ def check_deployment(vllm_config) -> None:
     if getattr(config, "reset_at_eod_token_id", None) is not None:
         raise OryxServingError(f"oryx-vllm: reset_at_eod_token_id={config.reset_at_eod_token_id} (packed "
                                "documents restarting at EOD) is not supported")
+
+
+def check_core(config) -> None:
+    """The folder's core decodes a batch of requests at positions of their own (``MixerCache.rows``, 2026-12-07);
+    an earlier export's does not."""
+    state = importlib.import_module(type(config).__module__.rsplit(".", 1)[0] + ".oryx_mixer_state")
+    if "rows" not in getattr(state.MixerCache, "__dataclass_fields__", {}):
+        raise OryxServingError("oryx-vllm: the folder's core decodes one position per batch (its MixerCache has no "
+                               "rows): export the folder again (oryx-export hf)")
 
 
 def serving_schedule(config: Any, schedules) -> Any:

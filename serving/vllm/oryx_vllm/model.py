@@ -2,12 +2,16 @@
 KV cache and the recurrent state on every token), vLLM owns the memory. Each layer's whole inference state -- the
 short convs' states, the recurrent state [h, d_k, d_v] and the layer's keys and values for ``max_model_len``
 positions -- is one vLLM "mamba" state of that layer (``OryxLayerState``), a slot per running request: vLLM
-allocates it, hands each request its slot and keeps it across chunked-prefill steps and decode steps; the plugin
-views the slot as the core's ``MixerCache`` of batch 1 and the core reads and writes it in place.
+allocates it, hands each request its slot and keeps it across chunked-prefill steps and decode steps.
 
-Every request is run through the core on its own (its tokens of this step: a prefill chunk or one decode token),
-with its own schedule (``oryx_vllm.requests``: the request's ``oryx_schedule``, else the deployment's
-``serving_schedule``, docs/serving.md), so requests of different schedules share a batch."""
+A step's decoding requests (one token each, at positions of their own) run as one batch through the core, one
+call per layer: the core reads and writes each request's keys and values in its slot in place (``MixerCache.rows``,
+``MixerCache.position`` per request), the conv and recurrent states of the batch's slots are gathered before the
+layer and written back after it, and each request reads the mode of its own schedule at its position. Each
+prefill chunk runs through the core on its own, over its slot's views (batch 1): the core's packed documents
+restart from zero states, and a chunk continues its request's. Schedules come from ``oryx_vllm.requests`` (the
+request's ``oryx_schedule``, else the deployment's ``serving_schedule``, docs/serving.md), so requests of
+different schedules share a batch."""
 
 from typing import Iterable, List, Set, Tuple
 
@@ -75,6 +79,22 @@ class OryxLayerState(MambaBase, nn.Module):
                                       views.get("recurrent_state"), torch.tensor(start, device=device),
                                       torch.zeros(1, dtype=torch.long, device=device), start)
 
+    def batch_cache(self, slots: Tensor, positions: Tensor, longest: int):
+        """The MixerCache of a decode batch: each request's conv and recurrent states gathered from its slot
+        (``slots`` [b]; ``scatter`` writes them back), keys and values read and written in the slots in place,
+        each request at its own position (``positions`` [b]; ``longest``: their largest)."""
+        states = dict(zip(self.names, self.kv_cache))
+        gathered = {name: t[slots] for name, t in states.items() if name not in ("key", "value")}
+        return self.mixer_cache_class(
+            gathered["conv_state"], states.get("key"), states.get("value"), gathered.get("recurrent_state"),
+            positions.clone(), torch.zeros_like(positions), longest, rows=slots if "key" in states else None)
+
+    def scatter(self, cache, slots: Tensor) -> None:
+        """Write a decode batch's conv and recurrent states back into their slots."""
+        for name, t in zip(self.names, self.kv_cache):
+            if name not in ("key", "value"):
+                t[slots] = getattr(cache, name)
+
 
 class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
     """vLLM's model over the folder's ``OryxForCausalLM`` (same parameter names: ``model.*``, ``lm_head``)."""
@@ -113,12 +133,39 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 groups[id(meta)] = list(requests(meta))
         per_layer = [groups[id(metadata[state.prefix])] for state in self.states]
         out = torch.empty_like(hidden)
-        for row, (begin, end, _) in enumerate(per_layer[0]):
-            start = int(positions[begin])
+        order = per_layer[0]
+        starts = positions[[begin for begin, _, _ in order]].tolist() if order else []
+        # decodes: a token after earlier ones (a prompt's first token runs as a prefill, from zero states)
+        batch = [row for row, (begin, end, _) in enumerate(order) if end - begin == 1 and starts[row] > 0]
+        if batch:
+            tokens = torch.tensor([order[row][0] for row in batch], device=hidden.device)
+            slots = [torch.tensor([layer[row][2] for row in batch], device=hidden.device) for layer in per_layer]
+            modes = [ROWS[row].mode_at(starts[row], self.core.schedules, self.schedule) for row in batch]
+            out[tokens] = self._decode(hidden[tokens], positions[tokens], slots, modes,
+                                       max(starts[row] for row in batch))
+        for row in sorted(set(range(len(order))) - set(batch)):  # prefill chunks, one by one
+            begin, end, _ = order[row]
             modes = ROWS[row].modes(self.core.schedules, self.schedule)
             slots = [layer_requests[row][2] for layer_requests in per_layer]
-            out[begin:end] = self._run(hidden[None, begin:end], slots, start, modes)[0]
+            out[begin:end] = self._run(hidden[None, begin:end], slots, starts[row], modes)[0]
         return out
+
+    def _decode(self, hidden: Tensor, positions: Tensor, slots: List[Tensor], modes: List[int],
+                longest: int) -> Tensor:
+        """One token of each decoding request [b, hidden] through every layer, one core call per layer: each
+        request at its own position (``positions`` [b]) in its slot (``slots``: one [b] per layer), reading its
+        own mode (``modes``: one per request; one mixer only computes when they agree)."""
+        if len(set(modes)) == 1:
+            context = self.core.context.MixerContext.build(self.config.mixer_config, int(modes[0]))
+        else:
+            context = self.core.context.MixerContext.build(
+                self.config.mixer_config, torch.tensor(modes, device=hidden.device)[:, None], decode=True)
+        contexts = context.for_layers(self.model.layer_configs)
+        for layer, layer_context, state, layer_slots in zip(self.model.layers, contexts, self.states, slots):
+            cache = state.batch_cache(layer_slots, positions, longest)
+            hidden = layer(hidden, layer_context, cache)
+            state.scatter(cache, layer_slots)
+        return self.model.norm(hidden)
 
     def _run(self, hidden: Tensor, slots: List[int], start: int, request_modes) -> Tensor:
         """One request's tokens of this step [1, s, hidden] through every layer with its states (in ``slots``, one per
@@ -126,8 +173,7 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         s = hidden.shape[1]
         modes = request_modes[start:start + s]
         modes = torch.from_numpy(np.pad(modes, (0, s - len(modes)), mode="edge")).long()[None]
-        context = self.core.context.MixerContext.build(self.config.mixer_config, modes.to(hidden.device),
-                                                       decode=start > 0 and s == 1)
+        context = self.core.context.MixerContext.build(self.config.mixer_config, modes.to(hidden.device))
         contexts = context.for_layers(self.model.layer_configs)  # a layer pattern's layers read as their mixers do
         for layer, layer_context, state, slot in zip(self.model.layers, contexts, self.states, slots):
             hidden = layer(hidden, layer_context, state.cache(slot, start))

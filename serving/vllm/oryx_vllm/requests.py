@@ -19,12 +19,10 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
+from oryx_vllm import OryxServingError
+
 EXTRA_ARG = "oryx_schedule"
 NEEDS_WHOLE_PROMPT = "router"  # the router reads a prompt's chunks in one pass; vLLM may cut a prompt anywhere
-
-
-class OryxServingError(ValueError):
-    pass
 
 
 SERVED: Optional[ModuleType] = None  # the schedules module of the Oryx folder this process serves (``serve``)
@@ -80,6 +78,11 @@ class Row:
         return self._modes
 
 
+    def mode_at(self, position: int, schedules: ModuleType, default) -> int:
+        modes = self.modes(schedules, default)
+        return int(modes[min(position, len(modes) - 1)])
+
+
 ROWS: Dict[int, Row] = {}  # this worker's persistent batch: row -> Row
 
 
@@ -94,6 +97,7 @@ class ScheduleTracker(LogitsProcessor):
 
     def __init__(self, vllm_config, device, is_pin_memory: bool):
         ROWS.clear()
+        self.max_model_len = vllm_config.model_config.max_model_len
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -102,8 +106,10 @@ class ScheduleTracker(LogitsProcessor):
         return logits
 
     def update_state(self, batch_update) -> None:
-        process_dict_updates(ROWS, batch_update, _row)
+        process_dict_updates(ROWS, batch_update, self._row)
 
-
-def _row(params: SamplingParams, prompt, output) -> Row:
-    return Row((params.extra_args or {}).get(EXTRA_ARG), len(prompt), params.max_tokens)
+    def _row(self, params: SamplingParams, prompt, output) -> Row:
+        """The request's row; its token budget stops at max_model_len, where vLLM stops it (the OpenAI server
+        lowers ``max_tokens`` to that already), so ``n_last`` counts from where it ends."""
+        budget = self.max_model_len - len(prompt)
+        return Row((params.extra_args or {}).get(EXTRA_ARG), len(prompt), min(params.max_tokens or budget, budget))
