@@ -55,6 +55,7 @@ class OryxLayerState(MambaBase, nn.Module):
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self
         self.kv_cache = (torch.tensor([]),)
+        self.conv_weight = None  # the layer's joint conv weight (MixerCache.conv_weight), made at its first decode
 
     def get_state_shape(self) -> Iterable[tuple]:
         return self.shapes
@@ -87,10 +88,13 @@ class OryxLayerState(MambaBase, nn.Module):
         gathered = {name: t[slots] for name, t in states.items() if name not in ("key", "value")}
         return self.mixer_cache_class(
             gathered["conv_state"], states.get("key"), states.get("value"), gathered.get("recurrent_state"),
-            positions.clone(), torch.zeros_like(positions), longest, rows=slots if "key" in states else None)
+            positions.clone(), torch.zeros_like(positions), longest, conv_weight=self.conv_weight,
+            rows=slots if "key" in states else None)
 
     def scatter(self, cache, slots: Tensor) -> None:
-        """Write a decode batch's conv and recurrent states back into their slots."""
+        """Write a decode batch's conv and recurrent states back into their slots (and keep its conv weight: the
+        weights do not change while the engine serves)."""
+        self.conv_weight = cache.conv_weight
         for name, t in zip(self.names, self.kv_cache):
             if name not in ("key", "value"):
                 t[slots] = getattr(cache, name)
