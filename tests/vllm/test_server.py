@@ -61,29 +61,41 @@ def post(port: int, body: dict):
         return e.code, json.loads(e.read() or b"{}")
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["skip_tokenizer_init", "tokenizer"])
-def server(request, folders):
-    root, expected = folders
-    folder, port = str(root / "oryx_tg"), free_port()
-    command = SERVE + [folder, "--host", "127.0.0.1", "--port", str(port)] + FLAGS
-    command += ["--skip-tokenizer-init"] if request.param else []
-    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               start_new_session=True)
+@pytest.fixture(scope="module")
+def servers(folders):
+    """Both servers (skip_tokenizer_init -> (port, process)), started at once: their start-ups overlap."""
+    root, _ = folders
+    started = {}
     try:
+        for skip_tokenizer in (True, False):
+            port = free_port()
+            command = SERVE + [str(root / "oryx_tg"), "--host", "127.0.0.1", "--port", str(port)] + FLAGS
+            command += ["--skip-tokenizer-init"] if skip_tokenizer else []
+            started[skip_tokenizer] = port, subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL,
+                                                             stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, process.stderr.read().decode()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "oryx-vllm serve did not start in 300 s"
-                time.sleep(2)
-        yield request.param, folder, port, process, expected
+        for port, process in started.values():
+            while True:
+                assert process.poll() is None, process.stderr.read().decode()[-3000:]
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "oryx-vllm serve did not start in 300 s"
+                    time.sleep(2)
+        yield started
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
-        process.stderr.close()
+        for _, process in started.values():
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=60)
+            process.stderr.close()
+
+
+@pytest.fixture(params=[True, False], ids=["skip_tokenizer_init", "tokenizer"])
+def server(request, servers, folders):
+    root, expected = folders
+    port, process = servers[request.param]
+    return request.param, str(root / "oryx_tg"), port, process, expected
 
 
 def good(folder: str, expected: dict) -> dict:
