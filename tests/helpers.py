@@ -9,7 +9,7 @@ import torch
 from oryx_megatron.config import ModelArgs
 from oryx_megatron.config.model import FAMILY_MIXERS
 from oryx_megatron.layers.multi_mixer import MultiMixer
-from oryx_megatron.mixer import LINEAR_MIXERS, MixerContext
+from oryx_megatron.mixer import MixerContext, linear_mixers
 from oryx_megatron.models.builder import transformer_config
 from oryx_megatron.models.specs import get_oryx_layer_local_spec
 import tests.mixers  # noqa: F401  (the tests' linear mixers, registered in every process that builds models)
@@ -21,7 +21,7 @@ def linear_families() -> List[str]:
     there is one ('oryx_tg' for gdn, 'oryx_tm' for mamba2), else the mixers themselves ('attention+gla', family
     'oryx'). What every proof of the mixers runs for (``tiny_args`` and ``build_mixer`` take either)."""
     by_mixers = {mixers: family for family, mixers in FAMILY_MIXERS.items() if mixers}
-    return [by_mixers.get(f"attention+{name}", f"attention+{name}") for name in LINEAR_MIXERS]
+    return [by_mixers.get(f"attention+{name}", f"attention+{name}") for name in linear_mixers()]
 
 
 # A layer pattern of every kind of layer (docs/model.md, "Layer patterns"), as the proofs name it beside the families:
@@ -37,7 +37,7 @@ def linear_mixer_of(family: str) -> str:
 def from_outside(family: str) -> bool:
     """Whether the linear mixer of ``family`` (a ``linear_families`` entry) is registered from outside the
     package (a test's: it runs one case per proof, the package's own every case)."""
-    return not LINEAR_MIXERS[linear_mixer_of(family)].__module__.startswith("oryx_megatron.")
+    return not linear_mixers()[linear_mixer_of(family)].__module__.startswith("oryx_megatron.")
 
 
 def family_cases(*variants, families=None, ids=None) -> list:
