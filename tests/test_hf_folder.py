@@ -24,7 +24,8 @@ from oryx_megatron.hf.remote_code import code_hash, model_code  # noqa: E402
 from oryx_megatron.inference.forward import cached_logits  # noqa: E402
 from tests.test_hf import SCHEDULES, converted, megatron_model, tiny_args  # noqa: E402
 
-FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2")
+FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "attention+lanorm")  # the tests' mixer plugin's (tests/plugins)
+PLUGIN = {"lanorm": "oryx_lanorm:PLUGIN"}
 HF_ENVS = Path(os.environ.get("ORYX_HF_ENVS", Path.home() / ".cache" / "oryx-megatron" / "hf-envs"))
 TRANSFORMERS = ("5.16.1", "5.25.0")  # the Makefile's HF_ENV_VERSIONS
 PROMPT, LENGTH = 40, 48
@@ -84,10 +85,31 @@ def test_the_folders_code_needs_torch_and_transformers_only(exported):
                                   "AutoModelForCausalLM": "modeling_oryx.OryxForCausalLM"}
 
 
-def test_a_mixer_from_outside_the_package_is_refused_at_save(single_process_parallel, tmp_path):
+def test_a_plugins_mixer_travels_with_its_modules(exported):
+    """The folder of the plugin's mixer carries the plugin's module (flat, its imports of the core rewritten) and
+    its config/plugins.py imports it; the hash covers it. Its logits: the test below."""
+    folder = Path(exported[0][-1]["folder"])
+    files = code_files(folder)
+    assert files == model_code(PLUGIN) and set(files) - set(model_code()) == {"oryx_plugin_oryx_lanorm.py"}
+    assert "    from .oryx_plugin_oryx_lanorm import PLUGIN as plugin_0\n" in files["oryx_config_plugins.py"]
+    assert set(get_imports(folder / "oryx_plugin_oryx_lanorm.py")) - set(sys.stdlib_module_names) == {"torch"}
+    assert json.loads((folder / "config.json").read_text())["oryx"]["code_sha256"] == code_hash(files)
+
+
+def test_a_plugin_module_that_imports_more_than_torch_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "needs_numpy.py").write_text("import numpy\nfrom oryx_megatron.config import MixerPlugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^mixer plugin module needs_numpy imports 'numpy': an exported folder "
+                                         r"carries torch, the standard library, oryx-megatron's core and the plugin "
+                                         r"alone$"):
+        model_code({"needs": "needs_numpy:PLUGIN"})
+
+
+def test_a_mixer_from_outside_the_package_and_its_plugins_is_refused_at_save(single_process_parallel, tmp_path):
     megatron = megatron_model(tiny_args("attention+gla"))
     with pytest.raises(ValueError, match=r"OryxHFConfig.mixers='attention\+gla': GatedLinearAttention "
-                                         r"\(tests.mixers.gla\) is not a module of oryx-megatron, so a saved folder cannot carry its code"):
+                                         r"\(tests.mixers.gla\) is neither a module of oryx-megatron nor a mixer "
+                                         r"plugin's, so a saved folder cannot carry its code"):
         converted(megatron, tiny_args("attention+gla")).save_pretrained(tmp_path / "gla")
 
 

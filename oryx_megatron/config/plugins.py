@@ -6,7 +6,8 @@ command sees them with no launcher (docs/model.md, "Mixer plugins"). In the plug
     lanorm = "oryx_lanorm:PLUGIN"          # PLUGIN = MixerPlugin(mixers={"lanorm": ...}, letters={"N": "lanorm"})
 
 The plugins are loaded once, where a registry is first read (``mixer.linear.linear_mixers``, the layer-pattern
-letters): importing a plugin's module registers its ops (``register_op``); the mixers join ``LINEAR_MIXERS``.
+letters): importing a plugin's module registers its ops (``register_op``); the mixers join ``LINEAR_MIXERS``. An
+exported folder carries the modules of the plugins its model uses (``hf.remote_code``) and reads those instead.
 """
 
 from dataclasses import dataclass, field
@@ -32,15 +33,24 @@ class MixerPlugin:
 
 
 _LOADED: Optional[Dict[str, MixerPlugin]] = None
+ENTRY_POINTS: Dict[str, str] = {}  # plugin name -> its entry point's value, "module:attribute" (what a folder carries)
+
+
+def carried_plugins() -> Dict[str, MixerPlugin]:
+    """The plugins an exported folder carries, by name: its copy of this function imports them from its own modules
+    (written by ``hf.remote_code``); the package carries none."""
+    return {}  # the folder's plugins (hf.remote_code)
 
 
 def mixer_plugins() -> Dict[str, MixerPlugin]:
     """The installed plugins by their entry point's name, loaded at the first call. PluginError names a plugin that
     fails to import or is not a ``MixerPlugin``, and two plugins that claim one mixer name or letter."""
     global _LOADED
+    if _LOADED is None and not IN_PACKAGE:
+        _LOADED = carried_plugins()
     if _LOADED is None:
         loaded, claims = {}, {}
-        for point in sorted(entry_points(group=GROUP) if IN_PACKAGE else (), key=lambda point: point.name):
+        for point in sorted(entry_points(group=GROUP), key=lambda point: point.name):
             try:
                 plugin = point.load()
             except Exception as e:  # any error of the plugin's import: reported in one line, by name
@@ -60,6 +70,7 @@ def mixer_plugins() -> Dict[str, MixerPlugin]:
                     raise PluginError(f"mixer plugin {point.name!r}: letter {letter!r} names {mixer!r}, not one of "
                                       f"its mixers {sorted(plugin.mixers)}")
             loaded[point.name] = plugin
+            ENTRY_POINTS[point.name] = point.value
         _LOADED = loaded
     return _LOADED
 
