@@ -13,11 +13,13 @@ import torch
 
 from oryx_megatron.inference.generation import generate
 from oryx_megatron.parallel import initialize_parallel
+from tests import plugins
 from tests.helpers import PATTERN
 from tests.test_hf import converted, megatron_model, tiny_args
 
 FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer")  # the Transformer's folder: stock Llama
 PATTERNS = {"oryx_tm_pattern": PATTERN}  # folder -> the layer pattern of every kind of layer (tests/helpers.py)
+PLUGIN_MIXERS = {"lanorm": "attention+lanorm"}  # folder -> the mixers of the tests' mixer plugin (tests/plugins)
 SCHEDULES = ("all_attention", "all_linear", "prefill=linear decode=attention", "linear_then_attention n_last=20")
 NEW_TOKENS = 32
 
@@ -29,12 +31,13 @@ def prompts():
 
 
 def main(out: str) -> None:
+    plugins.install(Path(out) / "plugins")  # the folder carries the plugin's code: vLLM's venv has no plugin
     initialize_parallel()
     torch.set_num_threads(1)
     expected = {"prompts": prompts(), "new_tokens": NEW_TOKENS, "tokens": {}}
-    for family in FAMILIES + tuple(PATTERNS):
+    for family in FAMILIES + tuple(PATTERNS) + tuple(PLUGIN_MIXERS):
         torch.manual_seed(0)
-        args = tiny_args(PATTERNS.get(family, family))
+        args = tiny_args({**PATTERNS, **PLUGIN_MIXERS}.get(family, family))
         megatron = megatron_model(args)
         converted(megatron, args).save_pretrained(Path(out) / family)
         expected["tokens"][family] = {
