@@ -36,18 +36,17 @@ def linear_mixer_of(family: str) -> str:
 
 def from_outside(family: str) -> bool:
     """Whether the linear mixer of ``family`` (a ``linear_families`` entry) is registered from outside the
-    package (a test's: it runs one case per proof, the package's own every case)."""
+    package (a test's, or a plugin's)."""
     return not linear_mixers()[linear_mixer_of(family)].__module__.startswith("oryx_megatron.")
 
 
 def family_cases(*variants, families=None, ids=None) -> list:
-    """pytest parameters (family, variant) for each of ``families`` (default: ``linear_families``): every
-    variant for the package's own mixers, the first (give the most telling first) for a mixer registered from
-    outside it. ``ids``: the variants' names in the test ids (default: their values)."""
+    """pytest parameters (family, variant) for each of ``families`` (default: ``linear_families``) and every variant,
+    the family in the id (``-k gla``, ``-k lanorm``). ``ids``: the variants' names in the test ids (default: their
+    values)."""
     names = dict(zip(variants, ids or variants))
     return [pytest.param(family, variant, id=f"{family}-{names[variant]}")
-            for family in (families or linear_families())
-            for variant in (variants[:1] if from_outside(family) else variants)]
+            for family in (families or linear_families()) for variant in variants]
 
 
 def recipe_fields(family: str) -> Dict[str, object]:

@@ -29,7 +29,8 @@ def test_the_plugin_registers_its_mixer_ops_and_letter_from_its_installed_distri
     mixer = linear_mixers()["lanorm"]
     origin = Path(sys.modules[mixer.__module__].__file__)
     assert (mixer.__module__, origin.parent.parent) == ("oryx_lanorm", pytestconfig.plugin_target)
-    assert get_kernels("torch").names["chunk_lanorm"] == "torch" and OPS["lanorm_step"].torch.__module__ == "oryx_lanorm"
+    assert get_kernels("torch").names["chunk_lanorm"] == "torch"
+    assert OPS["lanorm_step"].torch.__module__ == "oryx_lanorm"
     assert layer_letters()["N"] == "lanorm" and layer_mixers("ON*", MIXERS) == (MIXERS, "lanorm", "attention")
 
 
@@ -91,15 +92,19 @@ def test_a_bad_plugin_is_one_line_that_names_it(tmp_path, pytestconfig, plugins,
 def test_commands_see_the_plugin_with_no_launcher(tmp_path, corpus):
     """oryx-params counts a layer pattern with its letter; oryx-train trains the plugin's mixer (its async
     checkpoint save included: the writer's process reads the registry too) and oryx-generate decodes the
-    checkpoint with a linear prefill and attention decode."""
+    checkpoint with a linear prefill and attention decode; oryx-export writes its folder with the plugin's module
+    (its logits where only transformers is installed: tests/test_hf_folder.py)."""
     out = run_cli([sys.executable, "-m", "oryx_megatron.cli.params", *TINY_MODEL, "model.family=oryx",
                    f"model.mixers={MIXERS}", "model.layer_pattern=ON"])
     assert out.returncode == 0 and "layer_pattern='ON': O=1 N=1" in out.stdout, out.stderr
     ckpt = tmp_path / "ckpt"
     out = run_cli([sys.executable, "-m", "oryx_megatron.cli.train", *TINY_MODEL, *TINY_TRAIN, "model.family=oryx",
-                   f"model.mixers={MIXERS}", f"data.data_path=[{corpus['shards']}]", "train.train_iters=2", "checkpoint.save_at_end=true",
+                   f"model.mixers={MIXERS}", f"data.data_path=[{corpus['shards']}]", "train.train_iters=2",
+                   "checkpoint.save_at_end=true",
                    "checkpoint.async_save=true", f"checkpoint.dir={ckpt}", f"hydra.run.dir={tmp_path / 'out'}"])
     assert out.returncode == 0, out.stderr[-3000:]
     out = run_cli([sys.executable, "-m", "oryx_megatron.cli.generate", str(ckpt), "--prompt", "def ",
                    "--schedule", "prefill=linear decode=attention", "--max-new-tokens", "4"])
     assert out.returncode == 0 and out.stdout.count("=== [") == 1, out.stderr[-3000:]
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.export_hf", "hf", str(ckpt), str(tmp_path / "hf")])
+    assert out.returncode == 0 and (tmp_path / "hf" / "oryx_plugin_oryx_lanorm.py").exists(), out.stderr[-3000:]

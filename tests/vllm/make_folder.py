@@ -5,17 +5,27 @@
     python tests/vllm/make_folder.py OUT     # OUT/<family>/ (a folder) and OUT/expected.json
 """
 
+import atexit
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-import torch
-
-from oryx_megatron.inference.generation import generate
-from oryx_megatron.parallel import initialize_parallel
 from tests import plugins
-from tests.helpers import PATTERN
-from tests.test_hf import converted, megatron_model, tiny_args
+
+# the tests' mixer plugin, on the path before a registry is read (tests.test_hf reads it at import); the folder carries
+# its code: vLLM's venv has no plugin
+PLUGIN_TARGET = Path(tempfile.mkdtemp(prefix="oryx-plugins-"))
+atexit.register(shutil.rmtree, PLUGIN_TARGET, ignore_errors=True)
+plugins.install(PLUGIN_TARGET)
+
+import torch  # noqa: E402
+
+from oryx_megatron.inference.generation import generate  # noqa: E402
+from oryx_megatron.parallel import initialize_parallel  # noqa: E402
+from tests.helpers import PATTERN  # noqa: E402
+from tests.test_hf import converted, megatron_model, tiny_args  # noqa: E402
 
 FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer")  # the Transformer's folder: stock Llama
 PATTERNS = {"oryx_tm_pattern": PATTERN}  # folder -> the layer pattern of every kind of layer (tests/helpers.py)
@@ -31,7 +41,6 @@ def prompts():
 
 
 def main(out: str) -> None:
-    plugins.install(Path(out) / "plugins")  # the folder carries the plugin's code: vLLM's venv has no plugin
     initialize_parallel()
     torch.set_num_threads(1)
     expected = {"prompts": prompts(), "new_tokens": NEW_TOKENS, "tokens": {}}
