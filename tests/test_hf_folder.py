@@ -19,13 +19,16 @@ pytest.importorskip("transformers")
 
 from transformers.dynamic_module_utils import check_imports, get_imports, get_relative_import_files  # noqa: E402
 
+from oryx_megatron.config.plugins import mixer_plugins  # noqa: E402
 from oryx_megatron.data.schedules import as_inference_schedule  # noqa: E402
 from oryx_megatron.hf.remote_code import code_hash, model_code  # noqa: E402
 from oryx_megatron.inference.forward import cached_logits  # noqa: E402
 from tests.test_hf import SCHEDULES, converted, megatron_model, tiny_args  # noqa: E402
 
-FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "attention+lanorm")  # the tests' mixer plugin's (tests/plugins)
-PLUGIN = {"lanorm": "oryx_lanorm:PLUGIN"}
+# and attention with each installed mixer plugin's mixer (the tests' plugin's lanorm: tests/plugins)
+FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", *(f"attention+{mixer}" for plugin in mixer_plugins().values()
+                                                     for mixer in plugin.mixers))
+LANORM = {"lanorm": "oryx_lanorm:PLUGIN"}
 HF_ENVS = Path(os.environ.get("ORYX_HF_ENVS", Path.home() / ".cache" / "oryx-megatron" / "hf-envs"))
 TRANSFORMERS = ("5.16.1", "5.25.0")  # the Makefile's HF_ENV_VERSIONS
 PROMPT, LENGTH = 40, 48
@@ -88,9 +91,9 @@ def test_the_folders_code_needs_torch_and_transformers_only(exported):
 def test_a_plugins_mixer_travels_with_its_modules(exported):
     """The folder of the plugin's mixer carries the plugin's module (flat, its imports of the core rewritten) and
     its config/plugins.py imports it; the hash covers it. Its logits: the test below."""
-    folder = Path(exported[0][-1]["folder"])
+    folder = Path(next(case["folder"] for case in exported[0] if case["family"] == "attention+lanorm"))
     files = code_files(folder)
-    assert files == model_code(PLUGIN) and set(files) - set(model_code()) == {"oryx_plugin_oryx_lanorm.py"}
+    assert files == model_code(LANORM) and set(files) - set(model_code()) == {"oryx_plugin_oryx_lanorm.py"}
     assert "    from .oryx_plugin_oryx_lanorm import PLUGIN as plugin_0\n" in files["oryx_config_plugins.py"]
     assert set(get_imports(folder / "oryx_plugin_oryx_lanorm.py")) - set(sys.stdlib_module_names) == {"torch"}
     assert json.loads((folder / "config.json").read_text())["oryx"]["code_sha256"] == code_hash(files)
