@@ -93,7 +93,7 @@ def test_commands_see_the_plugin_with_no_launcher(tmp_path, corpus):
     """oryx-params counts a layer pattern with its letter; oryx-train trains the plugin's mixer (its async
     checkpoint save included: the writer's process reads the registry too) and oryx-generate decodes the
     checkpoint with a linear prefill and attention decode; oryx-export writes its folder with the plugin's module
-    (its logits where only transformers is installed: tests/test_hf_folder.py)."""
+    (its logits where only transformers is installed: tests/test_hf_folder.py) and oryx-import reads it back."""
     out = run_cli([sys.executable, "-m", "oryx_megatron.cli.params", *TINY_MODEL, "model.family=oryx",
                    f"model.mixers={MIXERS}", "model.layer_pattern=ON"])
     assert out.returncode == 0 and "layer_pattern='ON': O=1 N=1" in out.stdout, out.stderr
@@ -108,3 +108,6 @@ def test_commands_see_the_plugin_with_no_launcher(tmp_path, corpus):
     assert out.returncode == 0 and out.stdout.count("=== [") == 1, out.stderr[-3000:]
     out = run_cli([sys.executable, "-m", "oryx_megatron.cli.export_hf", "hf", str(ckpt), str(tmp_path / "hf")])
     assert out.returncode == 0 and (tmp_path / "hf" / "oryx_plugin_oryx_lanorm.py").exists(), out.stderr[-3000:]
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.import_hf", "hf", str(tmp_path / "hf"),
+                   str(tmp_path / "back")])
+    assert out.returncode == 0 and (tmp_path / "back" / "latest").exists(), out.stderr[-3000:]
