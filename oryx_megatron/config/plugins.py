@@ -74,7 +74,3 @@ def mixer_plugins() -> Dict[str, MixerPlugin]:
         _LOADED = loaded
     return _LOADED
 
-
-def plugin_letters() -> Dict[str, str]:
-    """Every plugin's layer-pattern letters: letter -> mixer name."""
-    return {letter: mixer for plugin in mixer_plugins().values() for letter, mixer in plugin.letters.items()}
