@@ -2,7 +2,7 @@
 nor megatron, transformers' remote-code check accepts them without the optional kernel packages, config.json
 records their hash, and in a Python that has torch and transformers only (transformers 5.16, vLLM's range, and
 5.25; ``make hf-envs`` builds them once under ~/.cache) every family's logits equal the megatron model's within
-1e-5 under every schedule, the parallel forward and cached decoding; saved again there, the folder keeps its
+1e-5 under every schedule, the parallel forward and cached decoding; saved again there, every folder keeps its
 code."""
 
 import ast
@@ -133,7 +133,8 @@ def test_logits_equal_megatrons_where_only_transformers_is_installed(exported, v
         for path in ("parallel", "cached"):
             error = (got[path] - want[path]).abs().max().item()
             assert error <= 1e-5, (case["family"], case["schedule"], path, error)
-    first = Path(cases[0]["folder"])
-    assert code_files(tmp_path / "resaved") == code_files(first)  # saved from the folder: the same code, same hash
-    assert (json.loads((tmp_path / "resaved" / "config.json").read_text())["oryx"]["code_sha256"]
-            == json.loads((first / "config.json").read_text())["oryx"]["code_sha256"])
+    for i, folder in enumerate(map(Path, result["folders"])):  # saved from the folder: the same code, same hash
+        resaved = tmp_path / "resaved" / str(i)
+        assert code_files(resaved) == code_files(folder), folder.name
+        assert (json.loads((resaved / "config.json").read_text())["oryx"]["code_sha256"]
+                == json.loads((folder / "config.json").read_text())["oryx"]["code_sha256"]), folder.name
