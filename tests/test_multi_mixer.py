@@ -81,9 +81,9 @@ def test_a_batch_whose_sequences_stand_at_different_positions_decodes_as_each_al
         alone.append(torch.stack([step(mixer, x[t, i : i + 1], modes[i : i + 1, t], after)
                                   for t in range(start, start + steps)]))  # [steps, 1, hidden]
     shared = mixer.allocate_inference_cache(2, torch.float64)
-    for name in ("conv_state", "recurrent_state"):
-        if getattr(shared, name) is not None:
-            getattr(shared, name).copy_(torch.cat([getattr(c, name) for c in caches]))
+    shared.conv_state.copy_(torch.cat([c.conv_state for c in caches]))
+    for name, state in shared.recurrent_state.items():
+        state.copy_(torch.cat([c.recurrent_state[name] for c in caches]))
     if shared.key is not None:
         for name in ("key", "value"):
             buffers = getattr(caches[0], name).new_zeros(3, *getattr(caches[0], name).shape[1:])
