@@ -26,7 +26,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 import typing
 from dataclasses import fields, is_dataclass
 from fnmatch import fnmatchcase
@@ -62,9 +61,11 @@ class Repository:
         self.dirs = {str(PurePosixPath(f).parents[i]) for f in self.files
                      for i in range(len(PurePosixPath(f).parents) - 1)}
         self.top = {f.split("/")[0] for f in self.files}
-        project = tomllib.loads((root / "pyproject.toml").read_text())
-        self.scripts = project["project"]["scripts"]
-        self.package_dirs = project["tool"]["setuptools"]["package-dir"]  # {"oryx_megatron.recipes": "recipes"}
+        project = (root / "pyproject.toml").read_text()  # read without tomllib (Python >= 3.11 only)
+        scripts = re.search(r"^\[project\.scripts\]\n(.*?)(?:\n\n|\n\[)", project, re.S | re.M).group(1)
+        self.scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"', scripts, re.M))
+        dirs = re.search(r"^package-dir = \{(.*)\}", project, re.M).group(1)
+        self.package_dirs = dict(re.findall(r'"([\w.]+)" = "([\w./]+)"', dirs))  # {"oryx_megatron.recipes": "recipes"}
 
     # ---- paths ----
     def path_exists(self, ref: str, doc: str) -> bool:
