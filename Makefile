@@ -1,4 +1,4 @@
-# Two entry points (see README): `make test` and `make demo`. Both create .venv if missing.
+# Two entry points (README.md): `make test` and `make demo`. Both create .venv if missing.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -34,7 +34,7 @@ $(HF_ENVS)/transformers-%/.installed:
 	touch $@
 hf-envs: $(HF_ENV_STAMPS)
 
-# The same suite on the GPU machine's stack, on the CPU (README, "Tested combinations"): Python 3.12, torch 2.11
+# The same suite on the GPU machine's stack, on the CPU (README.md, "Compatibility"; docs/testing.md): Python 3.12, torch 2.11
 # and the newest megatron-core of pyproject's range, in its own venv. torch 2.11 for Python 3.12 is a CUDA build
 # (2.6 GB of wheels with its nvidia-* dependencies): downloaded once into WHEELS312, outside the repo (pip's own
 # cache kept none of it here), and installed from there.
