@@ -4,10 +4,12 @@ What is checked, in backticked spans, the shell lines of code blocks and the tar
 - a repository path (its first folder one of the checkout's, or a file name of a kind the checkout holds:
   .py, .md, .yaml, .sh, .toml, .sbatch) exists; from the root, from the doc's folder, as the installed package
   lays it out (pyproject's package-dir), or, for a path that does not start at the root (`compat/cpu.py`), as
-  the tail of a path of the checkout. `<name>`, `*` and `{a,b}` are patterns: each must match;
+  the tail of a path of the checkout. `<name>`, `*` and `{a,b}` are patterns: each must match. A file name
+  without a folder may also be one the package's code writes (`report.md`: the name is in its source);
 - `module.attribute` names import (`oryx_megatron.`, a package of it, or a module of it by its own name:
   `checkpointing.load_checkpoint`); `Class.attribute` of a class of the package is an attribute of it;
-  `group.key` of oryx-train's config (`data.reset_at_eod`) is a key of its schema;
+  `group.key` of oryx-train's config (`data.reset_at_eod`) is a key of its schema; a name the code gives as a
+  string (a logger's, an entry point group's) counts too;
 - a test `file.py::name` (or `test_name` alone) is defined in its file;
 - a command of pyproject's [project.scripts] (also `python -m` / `torchrun -m` of its module, and `sbatch` of
   the slurm scripts, which pass their arguments to oryx-train) is given only flags its `--help` shows, a
@@ -91,8 +93,10 @@ class Repository:
         return any(any(fnmatchcase(n, c) for n in names) if "*" in c else c in names for c in candidates)
 
     def written(self, name: str) -> bool:
-        """A file name the package's code writes (the name appears in its source)."""
-        return name in self.source_text
+        """A file name the package's code writes: the name appears in its source, or, for a pattern of names
+        (`oryx_plugin_<module>.py`), each fixed piece of it does."""
+        pieces = [p for p in re.split(r"<[^>]*>|\*", name) if p not in ("", ".")]
+        return bool(pieces) and all(piece in self.source_text for piece in pieces)
 
     @cached_property
     def source_text(self) -> str:
@@ -154,8 +158,9 @@ class Repository:
         first, _, rest = name.partition(".")
         if first == VLLM_PLUGIN[0]:
             module, _, attr = name.rpartition(".")
-            path = self.root / VLLM_PLUGIN[1] / (module.partition(".")[2].replace(".", "/") + ".py")
-            return path.exists() and attr in _top_level_names(path)
+            folder = self.root / VLLM_PLUGIN[1] / module.partition(".")[2].replace(".", "/")
+            path = folder / "__init__.py" if folder.is_dir() else folder.with_suffix(".py")
+            return path.exists() and (attr in _top_level_names(path) or (path.parent / f"{attr}.py").exists())
         if first == PACKAGE:
             return _imports(name)
         modules = [m for m in self.modules if m.split(".")[-1] == first]
@@ -263,6 +268,10 @@ def _top_level_names(path: Path) -> set:
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
     return names
 
 
@@ -396,6 +405,8 @@ class Checker:
             return None  # `data.reset_at_eod`: a key, where `data` is also a package
         if resolved is None and first in self.repo.config_groups:
             return None if self.repo.config_key(name) else "no such key of oryx-train's config"
+        if resolved is False and re.search(rf"""["']{re.escape(name)}["']""", self.repo.source_text):
+            return None  # a name the code gives as a string: a logger's, an entry point group's
         return "does not resolve" if resolved is False else None
 
     def test(self, file: str, name: str, doc: str) -> Optional[str]:
@@ -518,7 +529,10 @@ GOOD_AND_BROKEN = [
     ("`recipes/experiment/<name>.yaml`", "`recipes/experimentz/<name>.yaml`"),
     ("[the data](data.md)", "[the data](dataz.md)"),
     ("`oryx_megatron.mixer.OryxMixer`", "`oryx_megatron.mixer.OryxMixerz`"),
+    ("`oryx_megatron.train`", "`oryx_megatron.trainz`"),  # a logger's name
+    ("`report.md`", "`reportz.md`"),  # a file the GPU check writes
     ("`ops.causal_conv1d`", "`ops.once_per_tensor`"),
+    ("`oryx_vllm.requests.ScheduleTracker`", "`oryx_vllm.requests.ScheduleTrackerz`"),  # the vLLM plugin, read
     ("`checkpointing.load_checkpoint`", "`checkpointing.load_checkpointz`"),
     ("`OryxMixer.step`", "`OryxMixer.stepz`"),
     ("`data.reset_at_eod`", "`data.reset_at_eodz`"),
