@@ -24,6 +24,7 @@ import contextlib
 import importlib
 import importlib.util
 import io
+import logging
 import re
 import shlex
 import subprocess
@@ -196,19 +197,22 @@ class Repository:
     # ---- commands ----
     @lru_cache(maxsize=None)
     def help(self, command: str, subcommand: Optional[str] = None) -> Tuple[int, str]:
-        """(exit code, what `command [subcommand] --help` prints), run in this process."""
+        """(exit code, what `command [subcommand] --help` prints), run in this process (which keeps its argv and
+        its root logger: Hydra's help configures logging)."""
         module, function = self.scripts[command].split(":")
         main = getattr(importlib.import_module(module), function)
         texts, code = [], 0
         for flag in ("--help", "--hydra-help") if command == "oryx-train" else ("--help",):
-            out, argv = io.StringIO(), sys.argv
+            out, argv, root = io.StringIO(), sys.argv, logging.getLogger()
+            handlers, level = root.handlers[:], root.level
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                 try:
                     code = main([*([subcommand] if subcommand else []), flag]) or 0
                 except SystemExit as e:
                     code = e.code or 0
                 finally:
-                    sys.argv = argv
+                    sys.argv, root.handlers[:] = argv, handlers
+                    root.setLevel(level)
             texts.append(out.getvalue())
         return code, "\n".join(texts)
 
