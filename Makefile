@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test hf-envs test-four-ranks test-py312 test-kernels test-vllm demo experiments experiments-large venv clean gpu-check gpu-stamp
+.PHONY: test proofs hf-envs test-four-ranks test-py312 test-kernels test-vllm demo experiments experiments-large venv clean gpu-check gpu-stamp
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,15 @@ venv: $(VENV)/.installed
 
 test: venv hf-envs
 	ORYX_HF_ENVS=$(HF_ENVS) $(PY) -m pytest -q --durations=15 -m "not four_ranks" tests
+
+# Every proof of the project's mixers for one registered mixer, e.g. a plugin's pip-installed into .venv
+# (docs/model.md, "Testing a mixer"): make proofs MIXER=lanorm. The folder test runs every installed plugin's mixer.
+PROOFS := tests/test_multi_mixer.py tests/test_mixer_reads.py tests/test_documents.py tests/test_tensor_parallel.py \
+	tests/test_context_parallel.py tests/test_hf.py
+proofs: venv hf-envs
+	@test -n "$(MIXER)" || { echo "make proofs MIXER=<the mixer's name>" >&2; exit 2; }
+	$(PY) -m pytest -q -m "not four_ranks" -k "$(MIXER)" $(PROOFS)
+	ORYX_HF_ENVS=$(HF_ENVS) $(PY) -m pytest -q tests/test_hf_folder.py
 
 # Pythons with torch and transformers only (neither oryx_megatron nor megatron-core), in which tests/test_hf_folder.py
 # loads an exported folder: transformers 5.16 (vLLM's range) and 5.25. Built once, outside the repo.

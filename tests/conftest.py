@@ -5,9 +5,25 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 
 import tests.mixers  # noqa: E402, F401  (registers the tests' linear mixers and their ops before collection)
+from tests import plugins  # noqa: E402
+
+
+def pytest_configure(config):
+    """The tests' mixer plugins, pip-installed into a target of this session before collection: the proofs of every
+    registered mixer run for them, and every process a test starts finds them through their entry point."""
+    config.plugin_target = Path(tempfile.mkdtemp(prefix="oryx-plugins-"))
+    plugins.install(config.plugin_target)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(config.plugin_target, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import torch
 from oryx_megatron.config import ModelArgs
 from oryx_megatron.config.model import FAMILY_MIXERS
 from oryx_megatron.layers.multi_mixer import MultiMixer
-from oryx_megatron.mixer import LINEAR_MIXERS, MixerContext
+from oryx_megatron.mixer import MixerContext, linear_mixers
 from oryx_megatron.models.builder import transformer_config
 from oryx_megatron.models.specs import get_oryx_layer_local_spec
 import tests.mixers  # noqa: F401  (the tests' linear mixers, registered in every process that builds models)
@@ -21,7 +21,7 @@ def linear_families() -> List[str]:
     there is one ('oryx_tg' for gdn, 'oryx_tm' for mamba2), else the mixers themselves ('attention+gla', family
     'oryx'). What every proof of the mixers runs for (``tiny_args`` and ``build_mixer`` take either)."""
     by_mixers = {mixers: family for family, mixers in FAMILY_MIXERS.items() if mixers}
-    return [by_mixers.get(f"attention+{name}", f"attention+{name}") for name in LINEAR_MIXERS]
+    return [by_mixers.get(f"attention+{name}", f"attention+{name}") for name in linear_mixers()]
 
 
 # A layer pattern of every kind of layer (docs/model.md, "Layer patterns"), as the proofs name it beside the families:
@@ -36,18 +36,17 @@ def linear_mixer_of(family: str) -> str:
 
 def from_outside(family: str) -> bool:
     """Whether the linear mixer of ``family`` (a ``linear_families`` entry) is registered from outside the
-    package (a test's: it runs one case per proof, the package's own every case)."""
-    return not LINEAR_MIXERS[linear_mixer_of(family)].__module__.startswith("oryx_megatron.")
+    package (a test's, or a plugin's)."""
+    return not linear_mixers()[linear_mixer_of(family)].__module__.startswith("oryx_megatron.")
 
 
 def family_cases(*variants, families=None, ids=None) -> list:
-    """pytest parameters (family, variant) for each of ``families`` (default: ``linear_families``): every
-    variant for the package's own mixers, the first (give the most telling first) for a mixer registered from
-    outside it. ``ids``: the variants' names in the test ids (default: their values)."""
+    """pytest parameters (family, variant) for each of ``families`` (default: ``linear_families``) and every variant,
+    the family in the id (``-k gla``, ``-k lanorm``). ``ids``: the variants' names in the test ids (default: their
+    values)."""
     names = dict(zip(variants, ids or variants))
     return [pytest.param(family, variant, id=f"{family}-{names[variant]}")
-            for family in (families or linear_families())
-            for variant in (variants[:1] if from_outside(family) else variants)]
+            for family in (families or linear_families()) for variant in variants]
 
 
 def recipe_fields(family: str) -> Dict[str, object]:

@@ -1,6 +1,7 @@
 """Run by tests/test_hf_folder.py in a Python with torch and transformers only (``python -I``, neither
 oryx_megatron nor megatron-core importable): load each exported folder with ``trust_remote_code=True``, compute
-the logits of every case (parallel forward and cached decoding) and save the first folder again.
+the logits of every case (parallel forward and cached decoding) and save each folder again (RESAVED_DIR/<i>, in the
+order of RESULT.pt's "folders").
 
     python -I hf_folder_child.py CASES.pt RESULT.pt RESAVED_DIR
 CASES.pt: [{"folder", "family", "schedule", "ids" [b, s], "modes" [b, s], "prompt"}, ...]
@@ -36,10 +37,10 @@ def main(cases_path: str, result_path: str, resaved: str) -> None:
             results.append({"family": case["family"], "schedule": case["schedule"],
                             "parallel": model(case["ids"], modes=case["modes"]).logits,
                             "cached": cached(model, case["ids"], case["modes"], case["prompt"])})
-        first = next(iter(models.values()))
-        first.save_pretrained(resaved)
-    torch.save({"transformers": transformers.__version__, "model_module": type(first).__module__,
-                "results": results}, result_path)
+        for i, model in enumerate(models.values()):
+            model.save_pretrained(f"{resaved}/{i}")
+    torch.save({"transformers": transformers.__version__, "model_module": type(model).__module__,
+                "folders": list(models), "results": results}, result_path)
 
 
 if __name__ == "__main__":

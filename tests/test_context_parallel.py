@@ -1,7 +1,7 @@
 """Context parallelism is exact: CP=2 and CP=4 (head all-to-all, megatron's load-balanced split of every sequence)
 equal CP=1 on the same weights, for the layer and the whole model, outputs, input gradients and every parameter
 gradient (summed over the context-parallel ranks, as megatron's DDP reduces them), every family and attention with
-every registered linear mixer (``linear_families``: the tests' GLA at S=32 only), with chunked
+every registered linear mixer (``linear_families``; each family a test whose id names it), with chunked
 random modes, packed documents whose boundaries fall inside the CP chunks and exactly at their edges, and, over two
 query blocks (S=256), the block-sparse attention skipping the blocks no token of a sequence reads; TP=2 x CP=2 (4
 gloo processes) equals TP=1, every family; the router (Oryx-TG and Oryx-TM, of one and of two layers) at CP=2 equals
@@ -25,7 +25,7 @@ from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.ops.chunking import document_starts
 from oryx_megatron.parallel import initialize_parallel
 from tests.distributed import run_distributed
-from tests.helpers import PATTERN, build_mixer, from_outside, linear_families, tiny_args
+from tests.helpers import PATTERN, build_mixer, linear_families, tiny_args
 from tests.test_tensor_parallel import load, save
 
 B, S, HIDDEN, VOCAB = 2, 32, 64, 97  # S divides by 2 x CP for CP = 2 (and 4)
@@ -206,15 +206,15 @@ def assert_documents_cross_chunks(cp: int, s: int = S):
     assert (inside, at_edges) == ([5 * s // 32, 19 * s // 32], [s // 4, 3 * s // 4])
 
 
-@pytest.mark.parametrize("level", ["mixer", "model"])
-def test_context_parallel_equals_one_rank(tmp_path, level):
-    """CP=2: every family at S=32 (one query block, read by both sequences), and the package's two-mixer families
-    over two query blocks, in each of which one sequence reads no attention: 2 blocks skipped per attention call."""
+@pytest.mark.parametrize("level,family", [(level, family) for level in ("mixer", "model") for family in FAMILIES
+                                          if level == "model" or family != "transformer"])
+def test_context_parallel_equals_one_rank(tmp_path, level, family):
+    """CP=2: the family at S=32 (one query block, read by both sequences), and attention with each linear mixer over
+    two query blocks, in each of which one sequence reads no attention: 2 blocks skipped per attention call."""
     assert_documents_cross_chunks(2)
     assert_documents_cross_chunks(2, LONG)
     assert unread_blocks(inputs()[2]) == 0 and unread_blocks(inputs(s=LONG)[2]) == 2
-    own = [family for family in linear_families() if not from_outside(family)]
-    cases = [dict(families=FAMILIES), dict(families=own, seq_length=LONG)]
+    cases = [dict(families=[family])] + [dict(families=[family], seq_length=LONG)] * (family in linear_families())
     run_distributed(each_case, str(tmp_path), level, cases)
 
 

@@ -2,7 +2,7 @@
 nor megatron, transformers' remote-code check accepts them without the optional kernel packages, config.json
 records their hash, and in a Python that has torch and transformers only (transformers 5.16, vLLM's range, and
 5.25; ``make hf-envs`` builds them once under ~/.cache) every family's logits equal the megatron model's within
-1e-5 under every schedule, the parallel forward and cached decoding; saved again there, the folder keeps its
+1e-5 under every schedule, the parallel forward and cached decoding; saved again there, every folder keeps its
 code."""
 
 import ast
@@ -19,12 +19,16 @@ pytest.importorskip("transformers")
 
 from transformers.dynamic_module_utils import check_imports, get_imports, get_relative_import_files  # noqa: E402
 
+from oryx_megatron.config.plugins import mixer_plugins  # noqa: E402
 from oryx_megatron.data.schedules import as_inference_schedule  # noqa: E402
 from oryx_megatron.hf.remote_code import code_hash, model_code  # noqa: E402
 from oryx_megatron.inference.forward import cached_logits  # noqa: E402
 from tests.test_hf import SCHEDULES, converted, megatron_model, tiny_args  # noqa: E402
 
-FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2")
+# and attention with each installed mixer plugin's mixer (the tests' plugin's lanorm: tests/plugins)
+FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", *(f"attention+{mixer}" for plugin in mixer_plugins().values()
+                                                     for mixer in plugin.mixers))
+LANORM = {"lanorm": "oryx_lanorm:PLUGIN"}
 HF_ENVS = Path(os.environ.get("ORYX_HF_ENVS", Path.home() / ".cache" / "oryx-megatron" / "hf-envs"))
 TRANSFORMERS = ("5.16.1", "5.25.0")  # the Makefile's HF_ENV_VERSIONS
 PROMPT, LENGTH = 40, 48
@@ -84,10 +88,31 @@ def test_the_folders_code_needs_torch_and_transformers_only(exported):
                                   "AutoModelForCausalLM": "modeling_oryx.OryxForCausalLM"}
 
 
-def test_a_mixer_from_outside_the_package_is_refused_at_save(single_process_parallel, tmp_path):
+def test_a_plugins_mixer_travels_with_its_modules(exported):
+    """The folder of the plugin's mixer carries the plugin's module (flat, its imports of the core rewritten) and
+    its config/plugins.py imports it; the hash covers it. Its logits: the test below."""
+    folder = Path(next(case["folder"] for case in exported[0] if case["family"] == "attention+lanorm"))
+    files = code_files(folder)
+    assert files == model_code(LANORM) and set(files) - set(model_code()) == {"oryx_plugin_oryx_lanorm.py"}
+    assert "    from .oryx_plugin_oryx_lanorm import PLUGIN as plugin_0\n" in files["oryx_config_plugins.py"]
+    assert set(get_imports(folder / "oryx_plugin_oryx_lanorm.py")) - set(sys.stdlib_module_names) == {"torch"}
+    assert json.loads((folder / "config.json").read_text())["oryx"]["code_sha256"] == code_hash(files)
+
+
+def test_a_plugin_module_that_imports_more_than_torch_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "needs_numpy.py").write_text("import numpy\nfrom oryx_megatron.config import MixerPlugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^mixer plugin module needs_numpy imports 'numpy': an exported folder "
+                                         r"carries torch, the standard library, oryx-megatron's core and the plugin "
+                                         r"alone$"):
+        model_code({"needs": "needs_numpy:PLUGIN"})
+
+
+def test_a_mixer_from_outside_the_package_and_its_plugins_is_refused_at_save(single_process_parallel, tmp_path):
     megatron = megatron_model(tiny_args("attention+gla"))
     with pytest.raises(ValueError, match=r"OryxHFConfig.mixers='attention\+gla': GatedLinearAttention "
-                                         r"\(tests.mixers.gla\) is not a module of oryx-megatron, so a saved folder cannot carry its code"):
+                                         r"\(tests.mixers.gla\) is neither a module of oryx-megatron nor a mixer "
+                                         r"plugin's, so a saved folder cannot carry its code"):
         converted(megatron, tiny_args("attention+gla")).save_pretrained(tmp_path / "gla")
 
 
@@ -108,7 +133,8 @@ def test_logits_equal_megatrons_where_only_transformers_is_installed(exported, v
         for path in ("parallel", "cached"):
             error = (got[path] - want[path]).abs().max().item()
             assert error <= 1e-5, (case["family"], case["schedule"], path, error)
-    first = Path(cases[0]["folder"])
-    assert code_files(tmp_path / "resaved") == code_files(first)  # saved from the folder: the same code, same hash
-    assert (json.loads((tmp_path / "resaved" / "config.json").read_text())["oryx"]["code_sha256"]
-            == json.loads((first / "config.json").read_text())["oryx"]["code_sha256"])
+    for i, folder in enumerate(map(Path, result["folders"])):  # saved from the folder: the same code, same hash
+        resaved = tmp_path / "resaved" / str(i)
+        assert code_files(resaved) == code_files(folder), folder.name
+        assert (json.loads((resaved / "config.json").read_text())["oryx"]["code_sha256"]
+                == json.loads((folder / "config.json").read_text())["oryx"]["code_sha256"]), folder.name

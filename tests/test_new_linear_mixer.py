@@ -99,6 +99,6 @@ def test_checkpoint_and_hf_model_give_the_same_logits_and_a_folder_is_refused(si
     with torch.no_grad():
         assert (hf(ids, modes=modes).logits - want[..., : config.vocab_size]).abs().max() <= 1e-5
     with pytest.raises(ValueError, match=r"OryxHFConfig.mixers='attention\+gla': GatedLinearAttention "
-                                         r"\(tests.mixers.gla\) is not a module of oryx-megatron"):
+                                         r"\(tests.mixers.gla\) is neither a module of oryx-megatron nor a mixer plugin's"):
         hf.save_pretrained(tmp_path / "hf")
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())

@@ -18,12 +18,10 @@ from oryx_megatron.mixer import MixerContext
 from oryx_megatron.models.builder import build_model, transformer_config
 from oryx_megatron.parallel import initialize_parallel
 from tests.distributed import run_distributed
-from tests.helpers import PATTERN, build_mixer, from_outside, linear_families, tiny_args
+from tests.helpers import PATTERN, build_mixer, linear_families, tiny_args
 
 B, S, HIDDEN, VOCAB = 2, 24, 64, 97
-# (family, sequence parallel): attention with every registered linear mixer, both ways (a mixer from outside the
-# package, the tests' GLA: with sequence parallelism and packed documents only)
-CASES = [(family, sp) for family in linear_families() for sp in ((True,) if from_outside(family) else (False, True))]
+SEQUENCE_PARALLEL = (False, True)  # with sequence parallelism: packed documents, a mixer's hidden projections gathered
 
 
 def save(module, path: Path):
@@ -108,7 +106,7 @@ def build(level, family, seed, recipe, **parallel):
     return build_model(args, transformer_config(args, params_dtype=torch.float64, **parallel))
 
 
-def tp_equals_tp1(tmp: str, level: str, cases=CASES, **recipe):
+def tp_equals_tp1(tmp: str, level: str, cases, **recipe):
     """Each (family, sequence_parallel) of ``cases`` (recipe fields ``recipe``): TP=2 equals TP=1 (2 processes)."""
     step = mixer_step if level == "mixer" else model_step
     for family, sp in cases:
@@ -139,9 +137,12 @@ def tp_equals_tp1(tmp: str, level: str, cases=CASES, **recipe):
             assert_close(p, grads_ref[name], f"{level} {family} sp={sp}: grad of {name}", TOLERANCE[level])
 
 
+@pytest.mark.parametrize("family", linear_families())
 @pytest.mark.parametrize("level", ["mixer", "model"])
-def test_tensor_parallel_equals_single_rank(tmp_path, level):
-    run_distributed(tp_equals_tp1, str(tmp_path), level)
+def test_tensor_parallel_equals_single_rank(tmp_path, level, family):
+    """Attention with each registered linear mixer (its name in the test's id: ``-k lanorm``), with and without
+    sequence parallelism."""
+    run_distributed(tp_equals_tp1, str(tmp_path), level, [(family, sp) for sp in SEQUENCE_PARALLEL])
 
 
 def test_a_layer_pattern_at_tensor_parallel_equals_single_rank(tmp_path):

@@ -11,7 +11,8 @@ from oryx_megatron.config.mixer import (
            Mode,
 )
 from oryx_megatron.config.model import FAMILY_MIXERS, ModelArgs
+from oryx_megatron.config.plugins import MixerPlugin, PluginError
 from oryx_megatron.config.router import RouterConfig, RouterConfigError
 
 __all__ = ["ATTENTION", "FAMILY_MIXERS", "KV_GATES", "MIXER_FIELDS", "MixerConfig", "MixerConfigError", "Mode",
-           "ModelArgs", "RouterConfig", "RouterConfigError"]
+           "MixerPlugin", "ModelArgs", "PluginError", "RouterConfig", "RouterConfigError"]

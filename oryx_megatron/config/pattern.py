@@ -14,6 +14,9 @@ MLP a letter of its own, ``-``: a pattern here maps to megatron's by writing eve
     |   a pipeline stage boundary (megatron's), the stages' layers as the user splits them
     spaces are ignored: ``MMMO MMMO``.
 
+A mixer plugin (config/plugins.py) adds letters of its own: its mixer alone in a layer (``N`` for the tests'
+plugin's ``lanorm``).
+
 The mixers of an ``O`` layer are the model's ``mixers`` (``attention+gdn`` for Oryx-TG); the other letters fix
 theirs. Without a pattern every layer has the model's ``mixers``, so every family of today is the pattern of one
 letter repeated (``oryx_tg``: ``O`` x num_layers, ``gdn``: ``G`` x num_layers).
@@ -21,10 +24,26 @@ letter repeated (``oryx_tg``: ``O`` x num_layers, ``gdn``: ``G`` x num_layers).
 
 from typing import Dict, Tuple
 
+from oryx_megatron.config.plugins import PluginError, mixer_plugins
+
 ORYX_BLOCK = "O"
 PIPELINE_BOUNDARY = "|"
 LAYER_MIXERS: Dict[str, str] = {"M": "mamba2", "G": "gdn", "*": "attention"}  # the single-mixer letters
-LETTERS = tuple(LAYER_MIXERS) + (ORYX_BLOCK,)
+NAMES = "M Mamba-2, G Gated DeltaNet, * attention, O the Oryx block"
+
+
+def layer_letters() -> Dict[str, str]:
+    """Every single-mixer letter, the package's and the mixer plugins': letter -> mixer. PluginError names a
+    plugin whose letter is taken or not one character."""
+    letters = dict(LAYER_MIXERS)
+    for name, plugin in mixer_plugins().items():
+        for letter, mixer in plugin.letters.items():
+            if len(letter) != 1 or letter.isspace() or letter in (*letters, ORYX_BLOCK, PIPELINE_BOUNDARY):
+                raise PluginError(f"mixer plugin {name!r}: layer-pattern letter {letter!r} is taken or not one "
+                                  f"character (the package's: {' '.join(LAYER_MIXERS)} {ORYX_BLOCK} "
+                                  f"{PIPELINE_BOUNDARY})")
+            letters[letter] = mixer
+    return letters
 
 
 class LayerPatternError(ValueError):
@@ -35,12 +54,15 @@ def pattern_stages(pattern: str) -> Tuple[str, ...]:
     """The pattern's letters per pipeline segment (split at ``|``; one segment without), spaces removed;
     LayerPatternError names an unknown letter or an empty segment."""
     stages = tuple("".join(segment.split()) for segment in pattern.split(PIPELINE_BOUNDARY))
+    letters = layer_letters()
     for segment in stages:
-        unknown = sorted(set(segment) - set(LETTERS))
+        unknown = sorted(set(segment) - set(letters) - {ORYX_BLOCK})
         if unknown:
+            plugins = {letter: mixer for letter, mixer in letters.items() if letter not in LAYER_MIXERS}
             raise LayerPatternError(f"layer_pattern={pattern!r}: unknown letter {unknown[0]!r}; expected one of "
-                                    f"{' '.join(LETTERS)} (M Mamba-2, G Gated DeltaNet, * attention, O the Oryx "
-                                    f"block), spaces, and | between pipeline stages")
+                                    f"{' '.join((*LAYER_MIXERS, ORYX_BLOCK, *plugins))} ({NAMES}"
+                                    f"{''.join(f', {letter} {mixer}' for letter, mixer in plugins.items())}), "
+                                    f"spaces, and | between pipeline stages")
         if not segment:
             raise LayerPatternError(f"layer_pattern={pattern!r}: a pipeline segment without layers (between two |, "
                                     f"or at an end)")
@@ -54,7 +76,8 @@ def pattern_letters(pattern: str) -> str:
 
 def layer_mixers(pattern: str, oryx_mixers: str) -> Tuple[str, ...]:
     """Per layer, its ``mixers`` (the ``MixerConfig`` field): ``oryx_mixers`` for an ``O``."""
-    return tuple(oryx_mixers if letter == ORYX_BLOCK else LAYER_MIXERS[letter] for letter in pattern_letters(pattern))
+    letters = layer_letters()
+    return tuple(oryx_mixers if letter == ORYX_BLOCK else letters[letter] for letter in pattern_letters(pattern))
 
 
 def pipeline_segments(pattern: str, stages: int):

@@ -14,14 +14,15 @@ New model parts (the learned router of issue #23, ...) are new fields with a def
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 from transformers import PretrainedConfig
 
 from oryx_megatron.config import MIXER_FIELDS, MixerConfig, MixerConfigError, RouterConfig, RouterConfigError
+from oryx_megatron.config.plugins import ENTRY_POINTS, mixer_plugins
 from oryx_megatron.config.router import ALIASES, check_router
 from oryx_megatron.hf.remote_code import carried, code_hash, model_code, write_model_code
-from oryx_megatron.mixer import linear_mixer_class
+from oryx_megatron.mixer import linear_mixer_class, linear_mixers
 
 MODEL_TYPE = "oryx"
 FORMAT_VERSION = 1  # of the folder layout; a change that old readers cannot load raises it
@@ -131,15 +132,29 @@ class OryxHFConfig(PretrainedConfig):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained`` (which a model's ``save_pretrained`` calls), with the code the folder
-        needs (``remote_code.model_code``; its hash as ``oryx.code_sha256``)."""
-        linear = linear_mixer_class(self.mixer_config)
-        if linear is not None and not carried(linear.__module__):
-            raise ValueError(f"OryxHFConfig.mixers={self.mixers!r}: {linear.__name__} ({linear.__module__}) is not "
-                             f"a module of oryx-megatron, so a saved folder cannot carry its code")
-        code = model_code()
+        needs (``remote_code.model_code``, the mixer plugins' modules included; its hash as ``oryx.code_sha256``)."""
+        code = model_code(self._plugins())
         self.oryx["code_sha256"] = code_hash(code)
         super().save_pretrained(save_directory, *args, **kwargs)
         write_model_code(save_directory, code)
+
+    def _plugins(self) -> Dict[str, str]:
+        """The mixer plugins whose mixers the layers use, name -> entry point (none for a folder's model: its code
+        is its own); ValueError names a mixer from outside the package that no plugin registered."""
+        config = self.mixer_config
+        used = sorted({config.layer_config(i).linear_mixer for i in range(self.num_hidden_layers)} - {None})
+        by_mixer = {mixer: name for name, plugin in mixer_plugins().items() for mixer in plugin.mixers}
+        plugins = {}
+        for mixer in used:
+            linear = linear_mixers()[mixer]
+            if carried(linear.__module__):
+                continue
+            if mixer not in by_mixer:
+                raise ValueError(f"OryxHFConfig.mixers={self.mixers!r}: {linear.__name__} ({linear.__module__}) is "
+                                 f"neither a module of oryx-megatron nor a mixer plugin's, so a saved folder cannot "
+                                 f"carry its code")
+            plugins[by_mixer[mixer]] = ENTRY_POINTS[by_mixer[mixer]]
+        return plugins
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig"):

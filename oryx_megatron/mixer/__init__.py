@@ -14,11 +14,11 @@ from oryx_megatron.mixer.context import QUERY_BLOCK, MixerContext, RouterReadout
 from oryx_megatron.mixer.context_parallel import ContextParallel
 from oryx_megatron.mixer.heads import HeadModule, HeadShard
 from oryx_megatron.mixer.layout import MixerLayout
-from oryx_megatron.mixer.linear import LINEAR_MIXERS, LinearMixer, linear_mixer_class
+from oryx_megatron.mixer.linear import LINEAR_MIXERS, LinearMixer, linear_mixer_class, linear_mixers
 from oryx_megatron.mixer.oryx_mixer import OryxMixer
 from oryx_megatron.mixer.router import ChunkRouter
 from oryx_megatron.mixer.state import KV_BLOCK, MixerCache, MixerSnapshot
 
 __all__ = ["ChunkRouter", "ContextParallel", "HeadModule", "HeadShard", "KV_BLOCK", "LINEAR_MIXERS", "LinearMixer",
            "MixerCache", "MixerContext", "MixerLayout", "MixerSnapshot", "OryxMixer", "QUERY_BLOCK", "RouterReadouts",
-           "linear_mixer_class", "router"]
+           "linear_mixer_class", "linear_mixers", "router"]

@@ -196,9 +196,10 @@ class OryxMixer(HeadModule):
 
     def allocate_inference_cache(self, batch_size: int, dtype: torch.dtype, device=None,
                                  capacity: Optional[int] = None, kv_cache: bool = True) -> MixerCache:
-        """An empty cache: zero conv and recurrent states, KV buffers of ``capacity`` positions in whole blocks
-        (``state.kv_capacity``; grown when exceeded), none at all when ``kv_cache`` is False (linear mode only) in an
-        Oryx block; an attention layer of a layer pattern keeps its KV cache whatever ``kv_cache`` says."""
+        """An empty cache: zero conv and recurrent states (every tensor of ``LinearMixer.state_spec``), KV buffers of
+        ``capacity`` positions in whole blocks (``state.kv_capacity``; grown when exceeded), none at all when
+        ``kv_cache`` is False (linear mode only) in an Oryx block; an attention layer of a layer pattern keeps its
+        KV cache whatever ``kv_cache`` says."""
         h, w = self.num_heads, self.config.mixer_conv_kernel
         conv_state = torch.zeros(batch_size, h * self.layout.conv_width, w - 1, dtype=dtype, device=device)
         key = value = None
@@ -206,10 +207,9 @@ class OryxMixer(HeadModule):
             capacity = kv_capacity(capacity)
             key = torch.zeros(batch_size, capacity, h, self.d_k, dtype=dtype, device=device)
             value = torch.zeros(batch_size, capacity, h, self.d_v, dtype=dtype, device=device)
-        recurrent = None
-        if self.linear_mixer is not None:
-            state_dtype = torch.promote_types(dtype, torch.float32)
-            recurrent = torch.zeros(self.linear_mixer.state_shape(batch_size), dtype=state_dtype, device=device)
+        spec = {} if self.linear_mixer is None else self.linear_mixer.state_spec(batch_size, dtype)
+        recurrent = {name: torch.zeros(shape, dtype=state_dtype, device=device)
+                     for name, (shape, state_dtype) in spec.items()}  # name -> [b, h, ...]
         position = torch.zeros((), dtype=torch.long, device=device)
         document_start = torch.zeros(batch_size, dtype=torch.long, device=device)
         return MixerCache(conv_state, key, value, recurrent, position, document_start)

@@ -12,6 +12,8 @@ from oryx_megatron.ops.chunking import document_starts
 
 KV_BLOCK = 256  # KV cache positions allocated at a time
 
+State = Dict[str, Tensor]  # a linear mixer's recurrent state: name -> [b, h, ...] (``LinearMixer.state_spec``)
+
 
 def kv_capacity(n_tokens: Optional[int] = None) -> int:
     """KV cache positions that hold ``n_tokens`` (default one block): whole blocks of KV_BLOCK."""
@@ -23,7 +25,7 @@ class MixerSnapshot:
     """What ``MixerCache.restore`` needs to return to an earlier position (speculative decoding)."""
 
     conv_state: Tensor
-    recurrent_state: Optional[Tensor]
+    recurrent_state: State
     document_start: Tensor
     seqlen: int
 
@@ -41,7 +43,7 @@ class MixerCache:
     conv_state: Tensor  # [b, h * conv width, conv_kernel - 1]: the conv streams' last inputs (OryxMixer._conv)
     key: Optional[Tensor]  # [b, capacity, h, d_k], rotated; None: no KV cache kept
     value: Optional[Tensor]  # [b, capacity, h, d_v]
-    recurrent_state: Optional[Tensor]  # [b, h, d_k, d_v] fp32, None for attention-only
+    recurrent_state: State  # name -> [b, h, ...] fp32 or wider (LinearMixer.state_spec); empty: attention only
     position: Tensor  # 0-dim long, on the device
     document_start: Tensor  # [b] long: where each sequence's current document starts (keys before it are not read)
     seqlen: int = 0
@@ -84,14 +86,19 @@ class MixerCache:
         """The conv state a prefill continues from: None before the first token (zero padding)."""
         return self.conv_state if self.seqlen > 0 else None
 
-    def absorb(self, conv_state: Tensor, recurrent_state: Optional[Tensor], n_tokens: int,
+    def absorb(self, conv_state: Tensor, recurrent_state: Optional[State], n_tokens: int,
                document_ids: Optional[Tensor] = None) -> None:
         """After ``n_tokens`` new tokens (their keys and values already written): their final conv state [b, h * conv
-        width, conv_kernel - 1] and recurrent state [b, h, d_k, d_v] (None: attention only), copied in place; with
-        ``document_ids`` [b, n_tokens] the current document's start moves to the last one among them."""
+        width, conv_kernel - 1] and recurrent state (name -> tensor, the names the cache holds; None: attention only),
+        copied in place; with ``document_ids`` [b, n_tokens] the current document's start moves to the last one
+        among them."""
         self.conv_state.copy_(conv_state)
         if recurrent_state is not None:
-            self.recurrent_state.copy_(recurrent_state)
+            if recurrent_state.keys() != self.recurrent_state.keys():
+                raise ValueError(f"the linear mixer returned the state {sorted(recurrent_state)}; its state_spec "
+                                 f"declares {sorted(self.recurrent_state)}")
+            for name, tensor in recurrent_state.items():
+                self.recurrent_state[name].copy_(tensor)
         if document_ids is not None:
             self.after_documents(document_ids)
         self.advance(n_tokens)
@@ -106,9 +113,8 @@ class MixerCache:
         sync (a captured decode graph reads the same buffers)."""
         self.documents = True
         keep = ~starting
-        self.conv_state.mul_(keep[:, None, None].to(self.conv_state.dtype))
-        if self.recurrent_state is not None:
-            self.recurrent_state.mul_(keep[:, None, None, None].to(self.recurrent_state.dtype))
+        for state in (self.conv_state, *self.recurrent_state.values()):  # [b, ...] each
+            state.mul_(keep.view(-1, *(1,) * (state.dim() - 1)).to(state.dtype))
         self.document_start.copy_(torch.where(starting, self.position, self.document_start))
 
     def key_document_ids(self, document_ids: Tensor) -> Tensor:
@@ -127,20 +133,20 @@ class MixerCache:
 
     def snapshot(self) -> MixerSnapshot:
         """Copies of the states that tokens overwrite (cached keys past ``seqlen`` are ignored later)."""
-        recurrent = None if self.recurrent_state is None else self.recurrent_state.clone()
+        recurrent = {name: state.clone() for name, state in self.recurrent_state.items()}
         return MixerSnapshot(self.conv_state.clone(), recurrent, self.document_start.clone(), self.seqlen)
 
     def restore(self, snapshot: MixerSnapshot) -> None:
         """Back to the snapshot's position, in place."""
         self.conv_state.copy_(snapshot.conv_state)
-        if snapshot.recurrent_state is not None:
-            self.recurrent_state.copy_(snapshot.recurrent_state)
+        for name, state in snapshot.recurrent_state.items():
+            self.recurrent_state[name].copy_(state)
         self.document_start.copy_(snapshot.document_start)
         self.seqlen = snapshot.seqlen
         self.position.fill_(snapshot.seqlen)
 
     def nbytes(self) -> Dict[str, int]:
-        """Allocated bytes: kv / recurrent / conv."""
+        """Allocated bytes: kv / recurrent (every tensor of the state) / conv."""
         kv = 0 if self.key is None else self.key.nbytes + self.value.nbytes
-        rec = self.recurrent_state.nbytes if self.recurrent_state is not None else 0
+        rec = sum(state.nbytes for state in self.recurrent_state.values())
         return {"kv": kv, "recurrent": rec, "conv": self.conv_state.nbytes}

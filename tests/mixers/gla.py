@@ -18,6 +18,7 @@ from torch import Tensor
 
 from oryx_megatron.config import MixerConfig
 from oryx_megatron.mixer import LINEAR_MIXERS, LinearMixer
+from oryx_megatron.mixer.state import State
 from oryx_megatron.ops import Documents, KernelOp, register_op, upcast
 from oryx_megatron.ops.chunking import compute_dtype, from_chunks, reset_at_document_starts, segsum, to_chunks
 
@@ -89,14 +90,17 @@ class GatedLinearAttention(LinearMixer):
     def hidden_projections(config: MixerConfig) -> Dict[str, int]:
         return {"decay_low": GATE_LOW_RANK}
 
-    def forward(self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-                documents: Optional[Documents] = None) -> Tuple[Tensor, Optional[Tensor]]:
-        return self.kernels.chunk_gla(x["q_lin"], x["k"], x["v"], self._log_decay(x), initial_state=initial_state,
+    def forward(self, x: Dict[str, Tensor], initial_state: Optional[State] = None, output_final_state: bool = False,
+                documents: Optional[Documents] = None) -> Tuple[Tensor, Optional[State]]:
+        o, S = self.kernels.chunk_gla(x["q_lin"], x["k"], x["v"], self._log_decay(x),
+                                      initial_state=None if initial_state is None else initial_state["S"],
                                       output_final_state=output_final_state,
                                       chunk_size=self.config.linear_chunk_size, documents=documents)
+        return o, None if S is None else {"S": S}
 
-    def step(self, x: Dict[str, Tensor], state: Tensor) -> Tuple[Tensor, Tensor]:
-        return self.kernels.gla_step(x["q_lin"], x["k"], x["v"], self._log_decay(x), state)
+    def step(self, x: Dict[str, Tensor], state: State) -> Tuple[Tensor, State]:
+        o, S = self.kernels.gla_step(x["q_lin"], x["k"], x["v"], self._log_decay(x), state["S"])
+        return o, {"S": S}
 
     def _log_decay(self, x: Dict[str, Tensor]) -> Tensor:
         """log alpha [.., h, d_k] in fp32 (or wider), from decay_low [.., 16]."""

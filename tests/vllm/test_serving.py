@@ -17,8 +17,9 @@ import pytest
 from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.exceptions import VLLMValidationError
 
-# the Transformer: vLLM's own Llama; oryx_tm_pattern: the layer pattern O*MG (an Oryx-TM block, attention, Mamba-2, GDN)
-FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer", "oryx_tm_pattern")
+# the Transformer: vLLM's own Llama; oryx_tm_pattern: the layer pattern O*MG (an Oryx-TM block, attention, Mamba-2, GDN);
+# lanorm: attention+lanorm, the tests' mixer plugin (tests/plugins: a state of two tensors, two vLLM state entries)
+FAMILIES = ("oryx_tg", "oryx_tm", "gdn", "mamba2", "transformer", "oryx_tm_pattern", "lanorm")
 DEPLOYMENT = "prefill=linear decode=attention"
 ENGINE = dict(trust_remote_code=True, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
               max_num_batched_tokens=64, enforce_eager=True, gpu_memory_utilization=0.3)

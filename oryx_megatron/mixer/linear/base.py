@@ -10,6 +10,7 @@ from torch import Tensor
 
 from oryx_megatron.config import MixerConfig
 from oryx_megatron.mixer.heads import HeadModule, HeadShard
+from oryx_megatron.mixer.state import State
 from oryx_megatron.ops import Documents, Kernels, upcast
 
 
@@ -50,20 +51,25 @@ class LinearMixer(HeadModule, ABC):
 
     @abstractmethod
     def forward(
-        self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+        self, x: Dict[str, Tensor], initial_state: Optional[State] = None, output_final_state: bool = False,
         documents: Optional[Documents] = None,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
+    ) -> Tuple[Tensor, Optional[State]]:
         """Chunked scan of a sequence: stream -> [b, s, h, width] -> (o [b, s, h, d_v], the final
-        state, or None unless output_final_state); documents (packed documents) or None: the state
-        restarts from zero at each document start."""
+        state (name -> tensor, as ``state_spec`` declares), or None unless output_final_state); initial_state: such
+        a state, or None (zeros); documents (packed documents) or None: the state restarts from zero at each document
+        start."""
 
     @abstractmethod
-    def step(self, x: Dict[str, Tensor], state: Tensor) -> Tuple[Tensor, Tensor]:
+    def step(self, x: Dict[str, Tensor], state: State) -> Tuple[Tensor, State]:
         """One token: stream -> [b, h, width] and the state -> (o [b, h, d_v], the new state)."""
 
-    def state_shape(self, batch_size: int) -> Tuple[int, ...]:
-        """The recurrent state [b, h, d_k, d_v], kept in fp32 (or wider)."""
-        return (batch_size, self.num_heads, self.d_k, self.d_v)
+    def state_spec(self, batch_size: int, dtype: torch.dtype) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """Its recurrent state, name -> (shape, dtype), for activations of ``dtype``: every shape [b, h, ...] (b
+        sequences, this rank's h heads: a document start zeroes a row, tensor parallelism splits the heads). The
+        core allocates each tensor (zeros), hands the state to ``forward`` and ``step`` and copies what they
+        return in place; snapshots, document resets, byte counts and vLLM's slots go tensor by tensor. Default:
+        one matrix memory S [b, h, d_k, d_v] in fp32 (or wider)."""
+        return {"S": ((batch_size, self.num_heads, self.d_k, self.d_v), torch.promote_types(dtype, torch.float32))}
 
     # ---- decay: A_log and dt_bias, and the per-token scalars they give, fp32 (or wider) ----
     def add_scalar_params(self, specs) -> None:

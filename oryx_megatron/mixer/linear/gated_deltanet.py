@@ -15,6 +15,7 @@ from torch import Tensor
 from oryx_megatron.config import MixerConfig
 from oryx_megatron.mixer.heads import HeadShard
 from oryx_megatron.mixer.linear.base import LinearMixer
+from oryx_megatron.mixer.state import State
 from oryx_megatron.ops import Documents, Kernels, upcast
 
 
@@ -35,19 +36,21 @@ class GatedDeltaNetMixer(LinearMixer):
         return {"q_lin": config.kv_channels, "beta": 1, "alpha": 1}
 
     def forward(
-        self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+        self, x: Dict[str, Tensor], initial_state: Optional[State] = None, output_final_state: bool = False,
         documents: Optional[Documents] = None,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
+    ) -> Tuple[Tensor, Optional[State]]:
         q, k, a, beta = self._inputs(x)  # [b, s, h, d_k] twice, [b, s, h] fp32 twice
-        return self.kernels.chunk_gated_delta_rule(
-            q, k, x["v"], a, beta, initial_state=initial_state,
+        o, S = self.kernels.chunk_gated_delta_rule(
+            q, k, x["v"], a, beta, initial_state=None if initial_state is None else initial_state["S"],
             output_final_state=output_final_state, chunk_size=self.config.linear_chunk_size,
             documents=documents,
         )  # o [b, s, h, d_v], final state [b, h, d_k, d_v]
+        return o, None if S is None else {"S": S}
 
-    def step(self, x: Dict[str, Tensor], state: Tensor) -> Tuple[Tensor, Tensor]:
+    def step(self, x: Dict[str, Tensor], state: State) -> Tuple[Tensor, State]:
         q, k, a, beta = self._inputs(x)  # [b, h, d_k] twice, [b, h] fp32 twice
-        return self.kernels.gated_delta_rule_step(q, k, x["v"], a, beta, state)
+        o, S = self.kernels.gated_delta_rule_step(q, k, x["v"], a, beta, state["S"])
+        return o, {"S": S}
 
     def _inputs(self, x: Dict[str, Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """The kernel's inputs, for any leading shape [..]: L2-normalised query and key

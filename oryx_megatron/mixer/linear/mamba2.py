@@ -14,6 +14,7 @@ from torch import Tensor
 from oryx_megatron.config import MixerConfig
 from oryx_megatron.mixer.heads import HeadShard
 from oryx_megatron.mixer.linear.base import LinearMixer
+from oryx_megatron.mixer.state import State
 from oryx_megatron.ops import Documents, Kernels
 
 
@@ -30,16 +31,20 @@ class Mamba2Mixer(LinearMixer):
         return {"q_lin": config.kv_channels, "dt": 1}
 
     def forward(
-        self, x: Dict[str, Tensor], initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+        self, x: Dict[str, Tensor], initial_state: Optional[State] = None, output_final_state: bool = False,
         documents: Optional[Documents] = None,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
+    ) -> Tuple[Tensor, Optional[State]]:
         dt = self.time_step(x["dt"])  # [b, s, h] fp32
-        return self.kernels.ssd_chunk_scan(
-            x=x["v"], dt=dt, A=self.A, B=x["k"], C=x["q_lin"], D=self.local("D"), initial_state=initial_state,
+        o, S = self.kernels.ssd_chunk_scan(
+            x=x["v"], dt=dt, A=self.A, B=x["k"], C=x["q_lin"], D=self.local("D"),
+            initial_state=None if initial_state is None else initial_state["S"],
             output_final_state=output_final_state, chunk_size=self.config.linear_chunk_size,
             documents=documents,
         )  # o [b, s, h, d_v], final state [b, h, d_k, d_v]
+        return o, None if S is None else {"S": S}
 
-    def step(self, x: Dict[str, Tensor], state: Tensor) -> Tuple[Tensor, Tensor]:
+    def step(self, x: Dict[str, Tensor], state: State) -> Tuple[Tensor, State]:
         dt = self.time_step(x["dt"])  # [b, h] fp32
-        return self.kernels.ssd_step(x=x["v"], dt=dt, A=self.A, B=x["k"], C=x["q_lin"], state=state, D=self.local("D"))
+        o, S = self.kernels.ssd_step(x=x["v"], dt=dt, A=self.A, B=x["k"], C=x["q_lin"], state=state["S"],
+                                     D=self.local("D"))
+        return o, {"S": S}

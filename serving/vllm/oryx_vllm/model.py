@@ -1,9 +1,9 @@
 """``OryxForCausalLM`` inside vLLM: the folder's own model computes (its one mixer core, every layer updating the
 KV cache and the recurrent state on every token), vLLM owns the memory. Each layer's whole inference state -- the
-short convs' states, the recurrent state [h, d_k, d_v] and the layer's keys and values for ``max_model_len``
-positions -- is one vLLM "mamba" state of that layer (``OryxLayerState``), a slot per running request: vLLM
-allocates it, hands each request its slot and keeps it across chunked-prefill steps and decode steps; the plugin
-views the slot as the core's ``MixerCache`` of batch 1 and the core reads and writes it in place.
+short convs' states, each tensor of the recurrent state (``LinearMixer.state_spec``) and the layer's keys and values
+for ``max_model_len`` positions -- is one vLLM "mamba" state of that layer (``OryxLayerState``), a slot per running
+request: vLLM allocates it, hands each request its slot and keeps it across chunked-prefill steps and decode steps;
+the plugin views the slot as the core's ``MixerCache`` of batch 1 and the core reads and writes it in place.
 
 Every request is run through the core on its own (its tokens of this step: a prefill chunk or one decode token),
 with its own schedule (``oryx_vllm.requests``: the request's ``oryx_schedule``, else the deployment's
@@ -26,16 +26,17 @@ from oryx_vllm.limits import serving_schedule
 from oryx_vllm.requests import ROWS
 
 
+RECURRENT = "recurrent_state."  # the entries of the recurrent state's tensors: recurrent_state.<name>
+
+
 def state_layout(mixer, max_len: int) -> Tuple[List[str], List[tuple], List[torch.dtype]]:
-    """Names, per-slot shapes and dtypes of one layer's state: conv_state, recurrent_state, key, value."""
+    """Names, per-slot shapes and dtypes of one layer's state, one vLLM state entry per tensor: conv_state, each
+    tensor of the linear mixer's state (``recurrent_state.<name>``: ``LinearMixer.state_spec``), key, value."""
     cache = mixer.allocate_inference_cache(1, torch.get_default_dtype(), device="meta", capacity=max_len)
-    names, shapes, dtypes = ["conv_state"], [tuple(cache.conv_state.shape[1:])], [cache.conv_state.dtype]
-    for name in ("recurrent_state", "key", "value"):
-        t = getattr(cache, name)
-        if t is not None:
-            shape = (max_len, *t.shape[2:]) if name != "recurrent_state" else tuple(t.shape[1:])
-            names.append(name), shapes.append(shape), dtypes.append(t.dtype)
-    return names, shapes, dtypes
+    entries = {"conv_state": cache.conv_state, **{RECURRENT + name: t for name, t in cache.recurrent_state.items()}}
+    if cache.key is not None:  # [1, capacity, h, d] -> max_len positions
+        entries.update(key=cache.key[:, :max_len], value=cache.value[:, :max_len])
+    return list(entries), [tuple(t.shape[1:]) for t in entries.values()], [t.dtype for t in entries.values()]
 
 
 class OryxLayerState(MambaBase, nn.Module):
@@ -71,8 +72,9 @@ class OryxLayerState(MambaBase, nn.Module):
                 if name not in ("key", "value"):
                     view.zero_()
         device = self.kv_cache[0].device
+        recurrent = {name[len(RECURRENT):]: view for name, view in views.items() if name.startswith(RECURRENT)}
         return self.mixer_cache_class(views["conv_state"], views.get("key"), views.get("value"),
-                                      views.get("recurrent_state"), torch.tensor(start, device=device),
+                                      recurrent, torch.tensor(start, device=device),
                                       torch.zeros(1, dtype=torch.long, device=device), start)
 
 

@@ -1,0 +1,113 @@
+"""Mixer plugins (oryx_megatron/config/plugins.py): a distribution of its own registers a linear mixer, its ops and
+its layer-pattern letter through the entry point group ``oryx_megatron.mixers``, and every command finds it with no
+launcher. The tests' plugin (tests/plugins/oryx-lanorm: linear attention with a normalizer, a state of two tensors
+of different shapes) is pip-installed into a temporary target for the session (tests/conftest.py); the proofs of
+every registered mixer run for it by themselves (``pytest -k lanorm``). Here: what it registers, its two-tensor
+state through every cache path, the plugin errors, and commands that see it."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from oryx_megatron.config.pattern import layer_letters, layer_mixers
+from oryx_megatron.mixer import linear_mixers
+from oryx_megatron.ops import OPS, get_kernels
+from tests.helpers import build_mixer, mix
+from tests.processes import run_cli
+from tests.test_multi_mixer import B, hidden_states, random_modes
+from tests.test_train import TINY_MODEL, TINY_TRAIN
+
+MIXERS = "attention+lanorm"
+
+
+def test_the_plugin_registers_its_mixer_ops_and_letter_from_its_installed_distribution(pytestconfig):
+    mixer = linear_mixers()["lanorm"]
+    origin = Path(sys.modules[mixer.__module__].__file__)
+    assert (mixer.__module__, origin.parent.parent) == ("oryx_lanorm", pytestconfig.plugin_target)
+    assert get_kernels("torch").names["chunk_lanorm"] == "torch"
+    assert OPS["lanorm_step"].torch.__module__ == "oryx_lanorm"
+    assert layer_letters()["N"] == "lanorm" and layer_mixers("ON*", MIXERS) == (MIXERS, "lanorm", "attention")
+
+
+@pytest.mark.usefixtures("single_process_parallel")
+def test_its_state_of_two_tensors_is_allocated_counted_and_reset_per_row():
+    """S [b, h, d_k, d_v] and z [b, h, d_k], as its state_spec declares (fp64 here), allocated, counted by nbytes and
+    zeroed per row by a document start. Prefill, decode, snapshots and packed documents: the proofs of every
+    registered mixer (tests/test_multi_mixer.py, test_mixer_reads.py, test_documents.py: ``-k lanorm``)."""
+    mixer = build_mixer("oryx", mixers=MIXERS)
+    h, d = mixer.num_heads, mixer.d_k
+    cache = mixer.allocate_inference_cache(B, torch.float64)
+    assert {name: (tuple(t.shape), t.dtype) for name, t in cache.recurrent_state.items()} == {
+        "S": ((B, h, d, d), torch.float64), "z": ((B, h, d), torch.float64)}
+    assert cache.nbytes()["recurrent"] == B * h * (d * d + d) * 8
+    mix(mixer, hidden_states(1), random_modes(1, chunk=4), cache)
+    assert all(t.ne(0).all() for t in cache.recurrent_state.values())  # z > 0: a sum of positive features
+    cache.start_documents(torch.tensor([True, False]))
+    assert all(t[0].eq(0).all() and t[1].ne(0).all() for t in cache.recurrent_state.values())
+
+
+def fake_plugins(root: Path, plugins: dict) -> Path:
+    """A folder of installed distributions (dist-info with entry points) whose modules are ``plugins``' sources."""
+    for name, source in plugins.items():
+        (root / f"{name}.py").write_text(textwrap.dedent(source))
+        info = root / f"{name}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[oryx_megatron.mixers]\n{name} = {name}:PLUGIN\n")
+    return root
+
+
+def oryx_params(path: Path, *overrides):
+    """oryx-params in a new interpreter with ``path`` on its path (its entry points are read at its start)."""
+    env = {**os.environ, "PYTHONPATH": str(path)}
+    return subprocess.run([sys.executable, "-m", "oryx_megatron.cli.params", *TINY_MODEL, *overrides],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+REUSES_LANORM = """
+    import oryx_lanorm
+    from oryx_megatron.config import MixerPlugin
+    PLUGIN = MixerPlugin(mixers={"lanorm": oryx_lanorm.NormalizedLinearAttention})
+"""
+
+
+@pytest.mark.parametrize("plugins,error", [
+    ({"broken": "import not_a_module\n"},
+     "oryx-params: error: mixer plugin 'broken' (broken:PLUGIN) failed to import: ModuleNotFoundError: No module "
+     "named 'not_a_module'"),
+    ({"again": REUSES_LANORM},
+     "oryx-params: error: mixer plugins 'again' and 'lanorm' both register the mixer 'lanorm'; uninstall one"),
+], ids=["fails-to-import", "claims-a-taken-name"])
+def test_a_bad_plugin_is_one_line_that_names_it(tmp_path, pytestconfig, plugins, error):
+    path = f"{fake_plugins(tmp_path, plugins)}:{pytestconfig.plugin_target}"
+    out = oryx_params(Path(path), "model.family=oryx_tg")
+    assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (2, [error]), out.stderr
+
+
+def test_commands_see_the_plugin_with_no_launcher(tmp_path, corpus):
+    """oryx-params counts a layer pattern with its letter; oryx-train trains the plugin's mixer (its async
+    checkpoint save included: the writer's process reads the registry too) and oryx-generate decodes the
+    checkpoint with a linear prefill and attention decode; oryx-export writes its folder with the plugin's module
+    (its logits where only transformers is installed: tests/test_hf_folder.py) and oryx-import reads it back."""
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.params", *TINY_MODEL, "model.family=oryx",
+                   f"model.mixers={MIXERS}", "model.layer_pattern=ON"])
+    assert out.returncode == 0 and "layer_pattern='ON': O=1 N=1" in out.stdout, out.stderr
+    ckpt = tmp_path / "ckpt"
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.train", *TINY_MODEL, *TINY_TRAIN, "model.family=oryx",
+                   f"model.mixers={MIXERS}", f"data.data_path=[{corpus['shards']}]", "train.train_iters=2",
+                   "checkpoint.save_at_end=true",
+                   "checkpoint.async_save=true", f"checkpoint.dir={ckpt}", f"hydra.run.dir={tmp_path / 'out'}"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.generate", str(ckpt), "--prompt", "def ",
+                   "--schedule", "prefill=linear decode=attention", "--max-new-tokens", "4"])
+    assert out.returncode == 0 and out.stdout.count("=== [") == 1, out.stderr[-3000:]
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.export_hf", "hf", str(ckpt), str(tmp_path / "hf")])
+    assert out.returncode == 0 and (tmp_path / "hf" / "oryx_plugin_oryx_lanorm.py").exists(), out.stderr[-3000:]
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.import_hf", "hf", str(tmp_path / "hf"),
+                   str(tmp_path / "back")])
+    assert out.returncode == 0 and (tmp_path / "back" / "latest").exists(), out.stderr[-3000:]
