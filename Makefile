@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test hf-envs test-four-ranks test-py312 test-kernels test-vllm demo experiments experiments-large venv clean gpu-check gpu-stamp
+.PHONY: test test-slurm hf-envs test-four-ranks test-py312 test-kernels test-vllm demo experiments experiments-large venv clean gpu-check gpu-stamp
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ venv: $(VENV)/.installed
 
 test: venv hf-envs
 	ORYX_HF_ENVS=$(HF_ENVS) $(PY) -m pytest -q --durations=15 -m "not four_ranks" tests
+
+# The sbatch scripts of slurm/ against a real one-node SLURM on 127.0.0.1 that the harness installs (Debian's slurm-wlm
+# and munge, as root), starts in a temporary directory and stops again: requeue after every way SLURM ends a job.
+test-slurm: venv
+	tests/slurm/cluster.sh
 
 # Pythons with torch and transformers only (neither oryx_megatron nor megatron-core), in which tests/test_hf_folder.py
 # loads an exported folder: transformers 5.16 (vLLM's range) and 5.25. Built once, outside the repo.
