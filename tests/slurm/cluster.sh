@@ -3,7 +3,8 @@
 # temporary directory, and the tests of tests/slurm run against it (scripts in slurm/, real sbatch,
 # scancel, preemption). Installs Debian's slurm-wlm and munge where they are missing (as root).
 # The daemons it starts (munged, slurmctld, slurmd) are stopped by their PIDs when it exits, also
-# when a test fails. Arguments go to pytest; KEEP=1 keeps the directory (logs) afterwards.
+# when a test fails. Arguments go to pytest; KEEP=1 keeps the directory (logs) afterwards;
+# `tests/slurm/cluster.sh --run CMD ...` runs CMD instead of the tests, with SLURM_CONF set.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -18,8 +19,16 @@ fi
 
 dir=$(mktemp -d "${TMPDIR:-/tmp}/oryx-slurm.XXXXXX")
 pids=()
+payload=
 stop() {
   local rc=$? pid
+  set +e
+  if [[ -n $payload ]]; then kill -TERM "$payload" 2>/dev/null; wait "$payload" 2>/dev/null; fi
+  if [[ -n ${SLURM_CONF:-} ]] && squeue -h -o %i 2>/dev/null | grep -q .; then  # jobs outlive slurmd: end them
+    scancel --signal=KILL --full --user="$(id -un)" 2>/dev/null
+    scancel --user="$(id -un)" 2>/dev/null
+    for _ in $(seq 150); do squeue -h -o %i 2>/dev/null | grep -q . || break; sleep 0.2; done
+  fi
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do  # slurmd, slurmctld, then munged
     pid=${pids[i]}
     kill -TERM "$pid" 2>/dev/null || continue
@@ -55,7 +64,8 @@ SlurmdPort=$slurmd_port
 CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/munge.socket
+# cred_expire: the credential lifetime, which also holds a requeued job back (120 s by default).
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$dir/state
@@ -74,6 +84,8 @@ MpiDefault=none
 ReturnToService=2
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
+# The main scheduler every 2 s (60 s by default): a requeued job starts again once its begin time passed.
+SchedulerParameters=sched_interval=2
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$memory_mb State=UNKNOWN
 PartitionName=low Nodes=localhost Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=60 MaxTime=INFINITE State=UP
 PartitionName=high Nodes=localhost PriorityTier=2 PreemptMode=OFF MaxTime=INFINITE State=UP
@@ -91,4 +103,15 @@ done
 [[ $(sinfo -h -n localhost -o %t) == idle ]] || { echo "the node never became idle" >&2; cat "$dir"/*.log >&2; exit 1; }
 echo "SLURM $(sinfo -V | cut -d' ' -f2) up in $dir: $(sinfo -h -o '%P %c CPUs %t' | tr '\n' ' ')"
 
-ORYX_SLURM_CLUSTER=$dir "$PY" -m pytest -q -p no:cacheprovider --durations=0 tests/slurm "$@"
+# In the background, so that a signal to this script stops the daemons at once (a trap waits
+# for a command in the foreground).
+if [[ ${1:-} == --run ]]; then
+  "${@:2}" &
+else
+  ORYX_SLURM_CLUSTER=$dir "$PY" -m pytest -q -p no:cacheprovider --durations=0 tests/slurm "$@" &
+fi
+payload=$!
+status=0
+wait "$payload" || status=$?
+payload=
+exit "$status"
