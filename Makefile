@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test proofs hf-envs test-four-ranks test-py312 test-kernels test-vllm demo experiments experiments-large venv clean gpu-check gpu-stamp
+.PHONY: test proofs test-slurm hf-envs test-four-ranks test-py312 test-kernels test-vllm demo experiments experiments-large venv clean gpu-check gpu-stamp
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ proofs: venv hf-envs
 	@test -n "$(MIXER)" || { echo "make proofs MIXER=<the mixer's name>" >&2; exit 2; }
 	$(PY) -m pytest -q -m "not four_ranks" -k "$(MIXER)" $(PROOFS)
 	ORYX_HF_ENVS=$(HF_ENVS) $(PY) -m pytest -q tests/test_hf_folder.py
+
+# The sbatch scripts of slurm/ against a real one-node SLURM on 127.0.0.1 that the harness installs (Debian's slurm-wlm
+# and munge, as root), starts in a temporary directory and stops again: requeue after every way SLURM ends a job.
+test-slurm: venv
+	tests/slurm/cluster.sh
 
 # Pythons with torch and transformers only (neither oryx_megatron nor megatron-core), in which tests/test_hf_folder.py
 # loads an exported folder: transformers 5.16 (vLLM's range) and 5.25. Built once, outside the repo.
