@@ -1,4 +1,4 @@
-# Two entry points (see README): `make test` and `make demo`. Both create .venv if missing.
+# Two entry points (README.md): `make test` and `make demo`. Both create .venv if missing.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 export TORCHDYNAMO_DISABLE ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: test proofs hf-envs test-four-ranks test-py312 test-kernels test-vllm demo experiments experiments-large venv clean gpu-check gpu-stamp
+.PHONY: test proofs test-slurm hf-envs test-four-ranks test-py312 test-kernels test-vllm demo experiments experiments-large venv clean gpu-check gpu-stamp
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ proofs: venv hf-envs
 	$(PY) -m pytest -q -m "not four_ranks" -k "$(MIXER)" $(PROOFS)
 	ORYX_HF_ENVS=$(HF_ENVS) $(PY) -m pytest -q tests/test_hf_folder.py
 
+# The sbatch scripts of slurm/ against a real one-node SLURM on 127.0.0.1 that the harness installs (Debian's slurm-wlm
+# and munge, as root), starts in a temporary directory and stops again: requeue after every way SLURM ends a job.
+test-slurm: venv
+	tests/slurm/cluster.sh
+
 # Pythons with torch and transformers only (neither oryx_megatron nor megatron-core), in which tests/test_hf_folder.py
 # loads an exported folder: transformers 5.16 (vLLM's range) and 5.25. Built once, outside the repo.
 HF_ENVS ?= $(HOME)/.cache/oryx-megatron/hf-envs
@@ -43,7 +48,7 @@ $(HF_ENVS)/transformers-%/.installed:
 	touch $@
 hf-envs: $(HF_ENV_STAMPS)
 
-# The same suite on the GPU machine's stack, on the CPU (README, "Tested combinations"): Python 3.12, torch 2.11
+# The same suite on the GPU machine's stack, on the CPU (README.md, "Compatibility"; docs/testing.md): Python 3.12, torch 2.11
 # and the newest megatron-core of pyproject's range, in its own venv. torch 2.11 for Python 3.12 is a CUDA build
 # (2.6 GB of wheels with its nvidia-* dependencies): downloaded once into WHEELS312, outside the repo (pip's own
 # cache kept none of it here), and installed from there.

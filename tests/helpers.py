@@ -83,8 +83,10 @@ def build_mixer(family="oryx_tg", seed=0, dtype=torch.float64, parallel=None, mi
 
 def mix(mixer, x, modes, cache=None, document_ids=None):
     """The mixer's output [s, b, hidden] for x [s, b, hidden] and modes as the model hands them down (one
-    ``MixerContext``); with ``cache`` a prefill, or a decode step for one token after cached ones."""
+    ``MixerContext``); with ``cache`` a prefill, or, for one token after cached ones, a decode step: x[0] [b, hidden],
+    as both front ends hand it to a layer, which ``OryxMixer.step`` computes."""
     if torch.is_tensor(modes) and modes.dim() == 1:  # one token per sequence: [b] -> [b, 1]
         modes = modes[:, None]
     decode = cache is not None and cache.seqlen > 0 and x.shape[0] == 1
-    return mixer(x, MixerContext.build(mixer.config, modes, document_ids, decode=decode), cache)[0]
+    context = MixerContext.build(mixer.config, modes, document_ids, decode=decode)
+    return mixer(x[0], context, cache)[0][None] if decode else mixer(x, context, cache)[0]

@@ -38,19 +38,23 @@ def step(mixer, hidden, modes, cache):
 
 
 def run_decode(mixer, x, modes, prefill=0):
-    """Prefill the first `prefill` tokens with the parallel path, then decode one by one."""
+    """Prefill the first `prefill` tokens (at least one) with the parallel path, then decode one token at a time:
+    ``OryxMixer.step`` on [b, hidden] (counted: each later token is one step)."""
     cache = mixer.allocate_inference_cache(B, torch.float64)
-    outs = []
-    if prefill:
-        outs.append(mix(mixer, x[:prefill], modes[:, :prefill], cache))
-    for t in range(prefill, x.shape[0]):
-        outs.append(mix(mixer, x[t : t + 1], modes[:, t], cache))
-    assert cache.seqlen == x.shape[0]
+    prefill, steps, step = max(prefill, 1), [], mixer.step
+    mixer.step = lambda *args, **kwargs: steps.append(1) or step(*args, **kwargs)
+    try:
+        outs = [mix(mixer, x[:prefill], modes[:, :prefill], cache)]
+        outs += [mix(mixer, x[t : t + 1], modes[:, t], cache) for t in range(prefill, x.shape[0])]
+    finally:
+        del mixer.step
+    assert cache.seqlen == x.shape[0] and len(steps) == x.shape[0] - prefill
     return torch.cat(outs, dim=0)
 
 
 @pytest.mark.parametrize("family,chunk", family_cases(None, 4, 16, ids=["per-token", "chunk4", "chunk16"]))
 def test_parallel_forward_equals_step_by_step_decode(family, chunk):
+    """Per-token (random modes), chunks of 4 and of 16: every token after the first is one ``OryxMixer.step``."""
     mixer = build_mixer(family)
     x, modes = hidden_states(), random_modes(1, chunk)
     ref = run_parallel(mixer, x, modes)

@@ -9,7 +9,7 @@
 # it, 33 MB without; the wheel 25 MB with it); bdist_wheel taken from setuptools (no `wheel` package needed);
 # CFLAGS=-g0 drops the host debug info. The toolkit under /usr/local/cuda lacks the cuBLAS/cuSPARSE/cuSOLVER
 # headers that torch's CUDAContext.h includes: the interpreter's nvidia/cu13 wheels supply them (CPATH).
-# On the GPU machine, from the checkout's root, ../shared/tools/gpu-wheels.sh's install line installs it too:
+# On the GPU machine, from the checkout's root, tools/gpu_wheels.sh's install line installs it too:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
 #     && export PYTHONPATH=$PWD:$PWD/.gpu/site:/tmp/site
 # Its .dist-info lands in /tmp/site, so importlib.metadata (ops/selection.py) reads 1.7.0+cu130torch2.11sm90.
@@ -26,8 +26,7 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
   and torch.version.cuda.startswith('13.'), f'{sys.executable}: need Python 3.12 + torch 2.11 cu13, got \
 {sys.version.split()[0]} + torch {torch.__version__}'"
 "$CUDA_HOME/bin/nvcc" --version | grep -q "release 13\." || { echo "$CUDA_HOME/bin/nvcc is not CUDA 13" >&2; exit 1; }
-mkdir -p "$dest" "$work" "$root/.git/info"
-grep -qx "/${1:-.gpu}/" "$root/.git/info/exclude" 2>/dev/null || echo "/${1:-.gpu}/" >> "$root/.git/info/exclude"
+mkdir -p "$dest" "$work"   # .gpu/ is git-ignored (.gitignore)
 
 src=$work/causal_conv1d-$version
 [ -f "$work/causal_conv1d-$version.tar.gz" ] \

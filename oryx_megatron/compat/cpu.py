@@ -1,7 +1,7 @@
 """A small CPU compatibility shim for megatron-core, applied only when CUDA is absent.
 
-megatron-core hard-codes CUDA in a few places that the model path reaches
-(see ../shared/notes/platform.md). Each patch below names what it gets past:
+megatron-core hard-codes CUDA in a few places that the model path reaches.
+Each patch below names what it gets past:
 
 1. ``torch.cuda.current_device()`` places global memory buffers (sequence-parallel
    all-gather) and conv/param tensors -> returns ``"cpu"``.

@@ -20,7 +20,10 @@ number; nothing else in the project reads megatron-core's version (tests/test_st
 - **Write results** (``discard_write_results``): every release hands a save's write results from its writer to its
   finalize through ONE queue per process (``filesystem_async._results_queue``), from which the finalize takes the
   first item. Results a save left there (its finalize never ran: the save failed, or its run did) would be read
-  as the next save's, whose ``.metadata`` would then describe the other save's files.
+  as the next save's, whose ``.metadata`` would then describe the other save's files. The queue lives in a
+  manager process (spawned, of the trainer's process group): made here, that process ignores SIGTERM and SIGINT,
+  since torchrun (to a worker's process group) and SLURM (to every process of a job step) send the preemption
+  signal to it too, and a dead manager failed the save that the signal asked for. It ends with the trainer.
 - **The static inference context** (the Transformer baseline's KV cache, ``models.transformer``): built the
   same way in every release; whether a forward materialises only the last position's logits is the context's
   ``materialize_only_last_token_logits`` up to 0.18, its ``config``'s (an ``InferenceConfig``) from 0.19
@@ -36,6 +39,9 @@ number; nothing else in the project reads megatron-core's version (tests/test_st
 import functools
 import inspect
 import io
+import multiprocessing
+import signal
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -92,10 +98,21 @@ def save_request(sharded_state: dict, path):
     return dist_checkpointing.save(sharded_state, str(path), async_sharded_save=True, **choice)
 
 
+def _ignore_termination() -> None:
+    """The write results' manager process: a preemption signal is for the trainer (the module docstring)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def discard_write_results() -> int:
-    """Empty megatron's queue of write results (the module docstring); how many results it held."""
+    """Empty megatron's queue of write results (the module docstring), made first if megatron has none yet;
+    how many results it held."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if filesystem_async._results_queue is None:  # megatron's own: a manager that a SIGTERM ends
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(_ignore_termination)  # the queue's proxy holds the manager; its finalizer ends it
+        filesystem_async._results_queue = manager.Queue()
     results, discarded = filesystem_async._results_queue, 0
     while results is not None and not results.empty():
         results.get()

@@ -47,7 +47,7 @@ def cpu_friendly_defaults() -> dict:
 
 
 def swiglu_defaults() -> dict:
-    """Pre-norm RMSNorm + SwiGLU MLP without biases, the layer the design card assumes."""
+    """Pre-norm RMSNorm + SwiGLU MLP without biases, the layer docs/design.md assumes."""
     return dict(
         normalization="RMSNorm",
         gated_linear_unit=True,

@@ -2,7 +2,7 @@
 ``mixer/linear``) sharing keys, values, output gate and output projection. Written once, in plain torch: the
 megatron layer (layers/multi_mixer.py) and the Hugging Face model (hf/modeling.py) build it from their parts.
 
-Per token t and head h (design card, section 2):
+Per token t and head h (docs/design.md, section 2):
 
     shared     k_t = act(conv_k(W_K x))_t     v_t = act(conv_v(W_V x))_t     g_t = W_G x_t
     attention  o_t = softmax-attention(rope(W_QA x_t), rope(k_{<=t}), v_{<=t})

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from oryx_megatron.checkpoint import (
     file_sha256,
     verify_checkpoint,
 )
+from oryx_megatron.checkpoint.checksums import read_checksums, verify_checksums
 from oryx_megatron.compat.megatron import common_state_location
 from oryx_megatron.inference.checkpoint import load_model
 from oryx_megatron.training import metrics
@@ -260,6 +262,43 @@ def test_every_file_has_a_checksum_written_last(stopped):
     assert set(listed) == {p.name for p in ckpt.iterdir()} - {CHECKSUMS}  # sha256sum's format, every file
     assert all(file_sha256(ckpt / name) == sha for name, sha in listed.items())
     assert (ckpt / CHECKSUMS).stat().st_mtime_ns >= max(p.stat().st_mtime_ns for p in ckpt.iterdir())
+
+
+# Each file a checkpoint's checksums list, one case each, by role: the shard names and where the common state lies
+# depend on megatron-core's version (version_dependent_names; common.pt is written up to 0.18 only).
+LISTED = {"first_shard": "{first_shard}", "last_shard": "{last_shard}", "common.pt": "common.pt",
+          ".metadata": ".metadata", "metadata.json": "metadata.json", "run_config.yaml": "run_config.yaml"}
+
+
+def listed_file(ckpt: Path, role: str):
+    """The file of ``ckpt`` that plays ``role``, or None where this megatron-core writes none."""
+    name = LISTED[role].format(**version_dependent_names(ckpt))
+    return name if (ckpt / name).is_file() else None
+
+
+def test_the_flipped_byte_cases_cover_every_file_the_checksums_list(stopped):
+    ckpt = stopped / "ckpt/iter_0000004"
+    assert set(read_checksums(ckpt)) == {listed_file(ckpt, role) for role in LISTED} - {None}
+
+
+@pytest.mark.parametrize("role", list(LISTED))
+def test_a_flipped_byte_in_each_file_the_checksums_list_is_found(stopped, tmp_path, role):
+    """One byte inverted in the middle of the file (its length kept): the checksums name that file, and so does
+    the verification before a load, whichever of its checks comes first."""
+    ckpt = copy_of(stopped, tmp_path) / "ckpt/iter_0000004"
+    name = listed_file(ckpt, role)
+    if name is None:
+        pytest.skip(f"this megatron-core writes no {role}")
+    with open(ckpt / name, "r+b") as f:
+        middle = (ckpt / name).stat().st_size // 2
+        f.seek(middle)
+        byte = f.read(1)[0]
+        f.seek(middle)
+        f.write(bytes([byte ^ 0xFF]))
+    with pytest.raises(ChecksumMismatch, match=rf"iter_0000004 is damaged: {re.escape(name)} does not match its checksum"):
+        verify_checksums(ckpt)
+    with pytest.raises(CheckpointError, match=rf"iter_0000004 is damaged: {re.escape(name)} "):
+        verify_checkpoint(ckpt)
 
 
 def test_a_checkpoint_without_checksums_loads_as_before(stopped, tmp_path):

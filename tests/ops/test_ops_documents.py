@@ -1,6 +1,7 @@
 """Packed documents (``ops.Documents``, ``document_ids``): every op on a packed sample equals the op run on each document
 alone, outputs, final states and gradients (fp64): documents shorter than a chunk, boundaries inside
-a chunk and on a chunk edge, a document of one token, a first document continuing an initial state."""
+a chunk and on a chunk edge, a document of one token, a first document continuing an initial state, a last document
+shorter than the short conv's kernel (its final state)."""
 
 import pytest
 import torch
@@ -29,12 +30,12 @@ def rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def compare(op, per_token, shared, kwargs, first_state=None, states=True, attention=False):
+def compare(op, per_token, shared, kwargs, first_state=None, states=True, attention=False, lengths=LENGTHS):
     """op(*per_token [b, s, ...] sliced, *shared, **kwargs) per document vs packed: outputs and final
     states equal to 1e-10, gradients of a random projection of outputs (+ states) likewise.
     ``first_state``: (name, [b, ...]) passed to each sample's first document only. The scans and the conv
     take the packed documents as ``documents`` (``ops.Documents``), ``attention`` as the keys' ``document_ids``."""
-    docs = document_ids()
+    docs = document_ids(lengths)
     packed = {"document_ids": docs} if attention else {"documents": ops.Documents(docs)}
 
     def leaves():
@@ -52,8 +53,8 @@ def compare(op, per_token, shared, kwargs, first_state=None, states=True, attent
     packed_out, packed_final = (out if isinstance(out, tuple) else (out, None))
     alone_in = leaves()
     outs, finals = torch.zeros_like(packed_out), []
-    for b, lengths in enumerate(LENGTHS):
-        for i, (lo, hi) in enumerate(spans(lengths)):
+    for b, sample in enumerate(lengths):
+        for i, (lo, hi) in enumerate(spans(sample)):
             args = [t[b : b + 1, lo:hi] for t in alone_in[: len(per_token)]] + alone_in[len(per_token):]
             first = {first_state[0]: first_state[1][b : b + 1]} if first_state and i == 0 else {}
             result = op(*args, **kwargs, **first)
@@ -115,6 +116,25 @@ def test_short_conv_continues_its_initial_state_in_the_first_document_only():
     state = rand(3, c, 3, seed=3)
     compare(lambda x, w, **kw: ops.causal_conv1d(x, w, None, **kw), [rand(3, S, c)], [rand(c, 4, seed=1)], {},
             first_state=("initial_state", state))
+
+
+# The last document of each sample shorter than the kernel (4): 2 and 1 tokens, and 3 (= w - 1, the state's length)
+SHORT_LAST = ([5, 3, 22, 2], [31, 1], [29, 3])
+
+
+@pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
+def test_short_conv_final_state_when_the_last_document_is_shorter_than_the_kernel(initial):
+    """The final state holds the last w - 1 inputs of the last document alone: zeros where the packed inputs hold
+    an earlier document's tokens (or the initial state, which belongs to the first document)."""
+    c, width = 5, 4
+    x, weight = rand(3, S, c), rand(c, width, seed=1)
+    state = rand(3, c, width - 1, seed=3) if initial else None
+    compare(lambda x, w, **kw: ops.causal_conv1d(x, w, None, **kw), [x], [weight], {},
+            first_state=("initial_state", state) if initial else None, lengths=SHORT_LAST)
+    _, final = ops.causal_conv1d(x, weight, None, state, documents=ops.Documents(document_ids(SHORT_LAST)))
+    assert (final[0, :, :1] == 0).all() and (final[1, :, :2] == 0).all() and (final[0, :, 1:] != 0).all()
+    _, unpacked = ops.causal_conv1d(x, weight, None, state)  # without documents the earlier tokens would stay
+    assert (unpacked[:2, :, :1] != 0).all()
 
 
 def gdn_inputs():

@@ -100,7 +100,7 @@ def test_bf16_inputs_give_bf16_output_and_fp32_state():
 
 
 def design_card_recurrence(q, k, v, g, beta, initial_state):
-    """An oracle written from the design card, not from the module: per token and head, with the state as a
+    """An oracle written from docs/design.md, not from the module: per token and head, with the state as a
     [d_k, d_v] matrix, S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T and o_t = S_t^T q_t / sqrt(d_k)."""
     eye = torch.eye(DK, dtype=torch.float64)
     out = torch.zeros(B, q.shape[1], H, DV, dtype=torch.float64)
