@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from oryx_megatron.config.pattern import layer_letters, layer_mixers
+from oryx_megatron.config.plugins import PluginError
 from oryx_megatron.mixer import linear_mixers
 from oryx_megatron.ops import OPS, get_kernels
 from tests.helpers import build_mixer, mix
@@ -87,6 +88,74 @@ def test_a_bad_plugin_is_one_line_that_names_it(tmp_path, pytestconfig, plugins,
     path = f"{fake_plugins(tmp_path, plugins)}:{pytestconfig.plugin_target}"
     out = oryx_params(Path(path), "model.family=oryx_tg")
     assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (2, [error]), out.stderr
+
+
+@pytest.fixture
+def fresh_registry(tmp_path, monkeypatch):
+    """The plugin loader and the linear mixers as a new process has them (nothing loaded), with ``install(sources)``
+    as its installed plugins: name -> the source of its module (its entry point ``name:PLUGIN``)."""
+    from importlib.metadata import EntryPoint
+
+    from oryx_megatron.config import plugins
+    from oryx_megatron.mixer import linear
+    from oryx_megatron.ops import registry
+
+    for module, name, value in ((plugins, "_LOADED", None), (plugins, "_REFUSED", None), (plugins, "IN_PACKAGE", True),
+                                (linear, "_PLUGINS_ADDED", False), (linear, "LINEAR_MIXERS", dict(LINEAR_BUILT_IN)),
+                                (registry, "OPS", dict(registry.OPS)), (plugins, "ENTRY_POINTS", {})):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def install(sources: dict):
+        for name, source in sources.items():
+            (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+            monkeypatch.delitem(sys.modules, name, raising=False)
+        points = [EntryPoint(name, f"{name}:PLUGIN", plugins.GROUP) for name in sources]
+        monkeypatch.setattr(plugins, "entry_points", lambda group: points if group == plugins.GROUP else [])
+
+    return install
+
+
+LINEAR_BUILT_IN = {name: mixer for name, mixer in linear_mixers().items() if mixer.__module__.startswith("oryx_")}
+
+HALF_REGISTERED = {  # registers an op, then fails: importing it again would find its op declared
+    "half": """
+        from oryx_megatron.ops import KernelOp, register_op
+        register_op(KernelOp("half_op", abs))
+        raise RuntimeError("half-way")
+    """,
+    "second_bad": """
+        import oryx_lanorm
+        from oryx_megatron.config import MixerPlugin
+        PLUGIN = MixerPlugin(mixers={"lanorm2": oryx_lanorm.NormalizedLinearAttention, "not_a_mixer": dict})
+    """,
+}
+
+
+@pytest.mark.parametrize("plugin,error", [
+    ("half", "mixer plugin 'half' (half:PLUGIN) failed to import: RuntimeError: half-way"),
+    ("second_bad", "mixer plugin 'second_bad': mixer 'not_a_mixer' is <class 'dict'>, not a subclass of "
+                   "oryx_megatron.mixer.LinearMixer"),
+], ids=["import-fails-half-way", "second-mixer-refused"])
+def test_a_plugin_refused_part_way_is_refused_again_with_the_same_line(fresh_registry, plugin, error):
+    """Its first mixer is not left registered (no later "name taken"), and its module is not imported twice."""
+    fresh_registry({plugin: HALF_REGISTERED[plugin]})
+    for _ in range(2):
+        with pytest.raises(PluginError) as refused:
+            linear_mixers()
+        assert str(refused.value) == error
+    assert "lanorm2" not in linear_mixers.__globals__["LINEAR_MIXERS"]
+
+
+def test_a_plugin_that_reads_the_registry_while_imported_is_refused_in_one_line(fresh_registry):
+    fresh_registry({"reader": """
+        from oryx_megatron.mixer import linear_mixers
+        KNOWN = sorted(linear_mixers())
+    """})
+    with pytest.raises(PluginError) as refused:
+        layer_letters()
+    assert str(refused.value) == ("mixer plugin 'reader' reads the mixer registry while it is imported; read it in "
+                                  "a function the plugin calls later")
 
 
 def test_commands_see_the_plugin_with_no_launcher(tmp_path, corpus):
