@@ -5,7 +5,11 @@ of different shapes) is pip-installed into a temporary target for the session (t
 every registered mixer run for it by themselves (``pytest -k lanorm``). Here: what it registers, its two-tensor
 state through every cache path, the plugin errors, and commands that see it."""
 
+import json
+import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from oryx_megatron.checkpoint import CONFIG, latest_name
 from oryx_megatron.config.pattern import layer_letters, layer_mixers
 from oryx_megatron.config.plugins import PluginError
 from oryx_megatron.mixer import linear_mixers
 from oryx_megatron.ops import OPS, get_kernels
+from tests import plugins
 from tests.helpers import build_mixer, mix
 from tests.processes import run_cli
 from tests.test_multi_mixer import B, hidden_states, random_modes
@@ -159,10 +165,11 @@ def test_a_plugin_that_reads_the_registry_while_imported_is_refused_in_one_line(
 
 
 def test_commands_see_the_plugin_with_no_launcher(tmp_path, corpus):
-    """oryx-params counts a layer pattern with its letter; oryx-train trains the plugin's mixer (its async
-    checkpoint save included: the writer's process reads the registry too) and oryx-generate decodes the
-    checkpoint with a linear prefill and attention decode; oryx-export writes its folder with the plugin's module
-    (its logits where only transformers is installed: tests/test_hf_folder.py) and oryx-import reads it back."""
+    """oryx-params counts a layer pattern with its letter; oryx-train trains the plugin's mixer and saves it with
+    megatron's async writer (a forked process: it inherits the registry; docs/model.md, "Mixer plugins"), whose
+    checkpoint oryx-generate decodes with a linear prefill and attention decode and oryx-eval scores; oryx-export
+    writes its folder with the plugin's module (its logits where only transformers is installed:
+    tests/test_hf_folder.py) and oryx-import reads it back."""
     out = run_cli([sys.executable, "-m", "oryx_megatron.cli.params", *TINY_MODEL, "model.family=oryx",
                    f"model.mixers={MIXERS}", "model.layer_pattern=ON"])
     assert out.returncode == 0 and "layer_pattern='ON': O=1 N=1" in out.stdout, out.stderr
@@ -172,6 +179,14 @@ def test_commands_see_the_plugin_with_no_launcher(tmp_path, corpus):
                    "checkpoint.save_at_end=true",
                    "checkpoint.async_save=true", f"checkpoint.dir={ckpt}", f"hydra.run.dir={tmp_path / 'out'}"])
     assert out.returncode == 0, out.stderr[-3000:]
+    assert latest_name(str(ckpt)) == ckpt / "iter_0000002" and (ckpt / "iter_0000002" / CONFIG).exists()
+    saves = [json.loads(row) for row in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in saves if "checkpoint/background_s" in row] == [2]  # the writer completed
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.evaluate", str(ckpt), "--task", "ppl", "--num-batches",
+                   "1", "--batch-size", "2", "--out", str(tmp_path / "eval")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = {row["schedule"]: row["loss"] for row in json.loads((tmp_path / "eval" / "ppl.json").read_text())["rows"]}
+    assert math.isfinite(losses["all_linear"]) and math.isfinite(losses["all_attention"]), losses
     out = run_cli([sys.executable, "-m", "oryx_megatron.cli.generate", str(ckpt), "--prompt", "def ",
                    "--schedule", "prefill=linear decode=attention", "--max-new-tokens", "4"])
     assert out.returncode == 0 and out.stdout.count("=== [") == 1, out.stderr[-3000:]
@@ -180,3 +195,40 @@ def test_commands_see_the_plugin_with_no_launcher(tmp_path, corpus):
     out = run_cli([sys.executable, "-m", "oryx_megatron.cli.import_hf", "hf", str(tmp_path / "hf"),
                    str(tmp_path / "back")])
     assert out.returncode == 0 and (tmp_path / "back" / "latest").exists(), out.stderr[-3000:]
+
+
+def test_oryx_experiment_trains_and_evaluates_the_plugin_mixer(tmp_path):
+    """A2's smoke configuration (MQAR: no corpus; its sweep of two learning rates, two variants, one seed) with the
+    model's mixers overridden: every run it trains is the plugin's, and it tabulates the linear mixer's reads."""
+    out = run_cli([sys.executable, "-m", "oryx_megatron.cli.experiment", "a2_sequence_mixing", "--smoke", "--seeds",
+                   "1", "--out", str(tmp_path), "model.family=oryx", f"model.mixers={MIXERS}"], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    configs = sorted(tmp_path.glob("runs/*/checkpoints/iter_*/run_config.yaml"))
+    assert len(configs) >= 2 and all(f"mixers: {MIXERS}\n" in path.read_text() for path in configs), configs
+    results = json.loads((tmp_path / "a2_sequence_mixing" / "results.json").read_text())
+    assert {(row["variant"], row["label"]) for row in results["summary"]} >= {("chunked", "all_linear"),
+                                                                              ("sequence_level", "all_linear")}
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_make_proofs_runs_a_plugins_proofs_from_its_own_repository(tmp_path):
+    """docs/model.md's command, run in a plugin's repository: a copy of the tests' plugin whose mixer is renamed
+    lanorm_b (registered by nothing else: the session's plugin target is left out of its path), narrowed to one
+    cheap proof file. Every case it runs is lanorm_b's, and they pass. (-o: the venv and the transformers envs are
+    the suite's, not remade; PY: this interpreter.)"""
+    repo = shutil.copytree(plugins.HERE / "oryx-lanorm", tmp_path / "oryx-lanorm-b")
+    for path, old, new in ((repo / "pyproject.toml", 'lanorm = "', 'lanorm_b = "'),
+                           (repo / "oryx_lanorm" / "__init__.py", '"lanorm"', '"lanorm_b"')):
+        assert old in path.read_text()
+        path.write_text(path.read_text().replace(old, new))
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    out = subprocess.run(["make", "-C", str(ROOT), "-o", ".venv/.installed", "-o", "hf-envs", "proofs",
+                          "MIXER=lanorm_b", f"PLUGIN={repo}", "PROOFS=tests/test_mixer_reads.py",
+                          f"PY={sys.executable}"], cwd=repo, env={**env, "PYTEST_ADDOPTS": "-rA -p no:cacheprovider"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    passed = re.findall(r"^PASSED (\S+)", out.stdout, re.M)
+    assert passed and all("lanorm_b" in case for case in passed), out.stdout[-3000:]
+    assert re.search(rf"^{len(passed)} passed, \d+ deselected", out.stdout, re.M), out.stdout[-3000:]
