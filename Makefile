@@ -25,8 +25,9 @@ test: venv hf-envs
 
 # Every proof of the project's mixers for one registered mixer (docs/model.md, "Testing a mixer"), from a plugin's
 # own repository: make -C /path/to/oryx-megatron proofs MIXER=<its name> PLUGIN=$PWD. PLUGIN (a path) is
-# pip-installed into a temporary target for the session in place of the tests' plugins (tests/plugins); without it,
-# the mixers installed in .venv. The folder test runs whole: it exports every installed plugin's mixer.
+# pip-installed into a temporary target for the session in place of the tests' plugins (tests/plugins); without
+# it, the tests' plugins and those installed in .venv. The folder test runs whole: it exports every installed
+# plugin's mixer.
 PROOFS ?= tests/test_multi_mixer.py tests/test_mixer_reads.py tests/test_documents.py tests/test_tensor_parallel.py \
 	tests/test_context_parallel.py tests/test_hf.py tests/test_hf_folder.py
 proofs: venv hf-envs

@@ -223,7 +223,8 @@ def test_make_proofs_runs_a_plugins_proofs_from_its_own_repository(tmp_path):
                            (repo / "oryx_lanorm" / "__init__.py", '"lanorm"', '"lanorm_b"')):
         assert old in path.read_text()
         path.write_text(path.read_text().replace(old, new))
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env = {key: value for key, value in os.environ.items()  # not this session's plugins, nor an outer make's flags
+           if key not in ("PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     out = subprocess.run(["make", "-C", str(ROOT), "-o", ".venv/.installed", "-o", "hf-envs", "proofs",
                           "MIXER=lanorm_b", f"PLUGIN={repo}", "PROOFS=tests/test_mixer_reads.py",
                           f"PY={sys.executable}"], cwd=repo, env={**env, "PYTEST_ADDOPTS": "-rA -p no:cacheprovider"},
