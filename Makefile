@@ -23,14 +23,17 @@ venv: $(VENV)/.installed
 test: venv hf-envs
 	ORYX_HF_ENVS=$(HF_ENVS) $(PY) -m pytest -q --durations=15 -m "not four_ranks" tests
 
-# Every proof of the project's mixers for one registered mixer, e.g. a plugin's pip-installed into .venv
-# (docs/model.md, "Testing a mixer"): make proofs MIXER=lanorm. The folder test runs every installed plugin's mixer.
-PROOFS := tests/test_multi_mixer.py tests/test_mixer_reads.py tests/test_documents.py tests/test_tensor_parallel.py \
-	tests/test_context_parallel.py tests/test_hf.py
+# Every proof of the project's mixers for one registered mixer (docs/model.md, "Testing a mixer"), from a plugin's
+# own repository: make -C /path/to/oryx-megatron proofs MIXER=<its name> PLUGIN=$PWD. PLUGIN (a path) is
+# pip-installed into a temporary target for the session in place of the tests' plugins (tests/plugins); without
+# it, the tests' plugins and those installed in .venv. The folder test runs whole: it exports every installed
+# plugin's mixer.
+PROOFS ?= tests/test_multi_mixer.py tests/test_mixer_reads.py tests/test_documents.py tests/test_tensor_parallel.py \
+	tests/test_context_parallel.py tests/test_hf.py tests/test_hf_folder.py
 proofs: venv hf-envs
-	@test -n "$(MIXER)" || { echo "make proofs MIXER=<the mixer's name>" >&2; exit 2; }
-	$(PY) -m pytest -q -m "not four_ranks" -k "$(MIXER)" $(PROOFS)
-	ORYX_HF_ENVS=$(HF_ENVS) $(PY) -m pytest -q tests/test_hf_folder.py
+	@test -n "$(MIXER)" || { echo "make proofs MIXER=<the mixer's name> [PLUGIN=<its repository>]" >&2; exit 2; }
+	ORYX_TEST_PLUGIN="$(PLUGIN)" ORYX_HF_ENVS=$(HF_ENVS) $(PY) -m pytest -q -m "not four_ranks" \
+		-k "$(MIXER) or test_hf_folder" $(PROOFS)
 
 # The sbatch scripts of slurm/ against a real one-node SLURM on 127.0.0.1 that the harness installs (Debian's slurm-wlm
 # and munge, as root), starts in a temporary directory and stops again: requeue after every way SLURM ends a job.

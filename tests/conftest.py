@@ -16,10 +16,11 @@ from tests import plugins  # noqa: E402
 
 
 def pytest_configure(config):
-    """The tests' mixer plugins, pip-installed into a target of this session before collection: the proofs of every
-    registered mixer run for them, and every process a test starts finds them through their entry point."""
+    """The tests' mixer plugins (or, with ORYX_TEST_PLUGIN, the plugin at that path instead: ``make proofs
+    PLUGIN=``), pip-installed into a target of this session before collection: the proofs of every registered
+    mixer run for them, and every process a test starts finds them through their entry point."""
     config.plugin_target = Path(tempfile.mkdtemp(prefix="oryx-plugins-"))
-    plugins.install(config.plugin_target)
+    plugins.install(config.plugin_target, os.environ.get("ORYX_TEST_PLUGIN") or None)
 
 
 def pytest_unconfigure(config):

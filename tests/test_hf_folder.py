@@ -88,6 +88,8 @@ def test_the_folders_code_needs_torch_and_transformers_only(exported):
                                   "AutoModelForCausalLM": "modeling_oryx.OryxForCausalLM"}
 
 
+@pytest.mark.skipif("lanorm" not in mixer_plugins(), reason="the tests' plugin is not installed: this session's "
+                                                           "plugin is another's (make proofs PLUGIN=)")
 def test_a_plugins_mixer_travels_with_its_modules(exported):
     """The folder of the plugin's mixer carries the plugin's module (flat, its imports of the core rewritten) and
     its config/plugins.py imports it; the hash covers it. Its logits: the test below."""

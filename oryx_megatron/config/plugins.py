@@ -33,6 +33,8 @@ class MixerPlugin:
 
 
 _LOADED: Optional[Dict[str, MixerPlugin]] = None
+_LOADING: Optional[str] = None  # the plugin being imported: its import must not read the registry (it is not built)
+_REFUSED: Optional[PluginError] = None  # the first refusal, repeated: a plugin's module is imported once
 ENTRY_POINTS: Dict[str, str] = {}  # plugin name -> its entry point's value, "module:attribute" (what a folder carries)
 
 
@@ -44,33 +46,52 @@ def carried_plugins() -> Dict[str, MixerPlugin]:
 
 def mixer_plugins() -> Dict[str, MixerPlugin]:
     """The installed plugins by their entry point's name, loaded at the first call. PluginError names a plugin that
-    fails to import or is not a ``MixerPlugin``, and two plugins that claim one mixer name or letter."""
-    global _LOADED
+    fails to import, is not a ``MixerPlugin`` or reads the registry while it is imported, and two plugins that claim
+    one mixer name or letter; a refusal is repeated by every later call (nothing of it is registered)."""
+    global _LOADED, _LOADING, _REFUSED
+    if _LOADING is not None:
+        raise PluginError(f"mixer plugin {_LOADING!r} reads the mixer registry while it is imported; read it in a "
+                          f"function the plugin calls later")
+    if _REFUSED is not None:
+        raise _REFUSED
     if _LOADED is None and not IN_PACKAGE:
         _LOADED = carried_plugins()
     if _LOADED is None:
-        loaded, claims = {}, {}
-        for point in sorted(entry_points(group=GROUP), key=lambda point: point.name):
-            try:
-                plugin = point.load()
-            except Exception as e:  # any error of the plugin's import: reported in one line, by name
-                raise PluginError(f"mixer plugin {point.name!r} ({point.value}) failed to import: "
-                                  f"{type(e).__name__}: {e}") from None
-            if not isinstance(plugin, MixerPlugin):
-                raise PluginError(f"mixer plugin {point.name!r}: {point.value} is a {type(plugin).__name__}, not a "
-                                  f"oryx_megatron.config.MixerPlugin")
-            for kind, names in (("mixer", plugin.mixers), ("letter", plugin.letters)):
-                for name in names:
-                    other = claims.setdefault((kind, name), point.name)
-                    if other != point.name:
-                        raise PluginError(f"mixer plugins {other!r} and {point.name!r} both register the {kind} "
-                                          f"{name!r}; uninstall one")
-            for letter, mixer in plugin.letters.items():
-                if mixer not in plugin.mixers:
-                    raise PluginError(f"mixer plugin {point.name!r}: letter {letter!r} names {mixer!r}, not one of "
-                                      f"its mixers {sorted(plugin.mixers)}")
-            loaded[point.name] = plugin
-            ENTRY_POINTS[point.name] = point.value
-        _LOADED = loaded
+        try:
+            _LOADED = _load()
+        except PluginError as e:
+            _REFUSED = e
+            raise
     return _LOADED
 
+
+def _load() -> Dict[str, MixerPlugin]:
+    global _LOADING
+    loaded, claims, values = {}, {}, {}
+    for point in sorted(entry_points(group=GROUP), key=lambda point: point.name):
+        _LOADING = point.name
+        try:
+            plugin = point.load()
+        except PluginError:  # its import read the registry (above)
+            raise
+        except Exception as e:  # any error of the plugin's import: reported in one line, by name
+            raise PluginError(f"mixer plugin {point.name!r} ({point.value}) failed to import: "
+                              f"{type(e).__name__}: {e}") from None
+        finally:
+            _LOADING = None
+        if not isinstance(plugin, MixerPlugin):
+            raise PluginError(f"mixer plugin {point.name!r}: {point.value} is a {type(plugin).__name__}, not a "
+                              f"oryx_megatron.config.MixerPlugin")
+        for kind, names in (("mixer", plugin.mixers), ("letter", plugin.letters)):
+            for name in names:
+                other = claims.setdefault((kind, name), point.name)
+                if other != point.name:
+                    raise PluginError(f"mixer plugins {other!r} and {point.name!r} both register the {kind} "
+                                      f"{name!r}; uninstall one")
+        for letter, mixer in plugin.letters.items():
+            if mixer not in plugin.mixers:
+                raise PluginError(f"mixer plugin {point.name!r}: letter {letter!r} names {mixer!r}, not one of "
+                                  f"its mixers {sorted(plugin.mixers)}")
+        loaded[point.name], values[point.name] = plugin, point.value
+    ENTRY_POINTS.update(values)
+    return loaded

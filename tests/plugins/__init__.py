@@ -8,18 +8,21 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 PLUGINS = ("oryx-lanorm",)  # normalized linear attention: a state of two tensors, S [h, d_k, d_v] and z [h, d_k]
 
 
-def install(target: Path) -> None:
-    """pip-installs every plugin here into ``target`` (built from a copy: nothing is written beside the sources) and
-    puts ``target`` on the path of this process and of every process it starts."""
+def install(target: Path, plugin: Optional[str] = None) -> None:
+    """pip-installs every plugin here, or the one at ``plugin`` (a path: a plugin's own repository, ``make proofs
+    PLUGIN=``) in their place, into ``target`` (built from a copy: nothing is written beside the sources) and puts
+    ``target`` on the path of this process and of every process it starts."""
+    sources = [Path(plugin).resolve()] if plugin else [HERE / name for name in PLUGINS]
     with tempfile.TemporaryDirectory() as build:
-        for name in PLUGINS:
-            source = shutil.copytree(HERE / name, Path(build) / name)
+        for source in sources:
+            copy = shutil.copytree(source, Path(build) / source.name, ignore=shutil.ignore_patterns(".git", ".venv"))
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                            "--no-index", "--target", str(target), str(source)], check=True)
+                            "--no-index", "--target", str(target), str(copy)], check=True)
     sys.path.insert(0, str(target))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))

@@ -24,10 +24,12 @@ _PLUGINS_ADDED = False
 
 
 def linear_mixers() -> Dict[str, Type[LinearMixer]]:
-    """Every registered linear mixer (``LINEAR_MIXERS``), the mixer plugins' added at the first call; PluginError
-    names a plugin's mixer whose name is taken or that is not a ``LinearMixer``."""
+    """Every registered linear mixer (``LINEAR_MIXERS``), the mixer plugins' added at the first call, all or none:
+    PluginError names a plugin's mixer whose name is taken or that is not a ``LinearMixer``, and every later call
+    repeats it."""
     global _PLUGINS_ADDED
     if not _PLUGINS_ADDED:
+        added = {}
         for plugin_name, plugin in mixer_plugins().items():
             for name, mixer in plugin.mixers.items():
                 if name == ATTENTION or name in LINEAR_MIXERS:
@@ -36,7 +38,8 @@ def linear_mixers() -> Dict[str, Type[LinearMixer]]:
                 if not (isinstance(mixer, type) and issubclass(mixer, LinearMixer)):
                     raise PluginError(f"mixer plugin {plugin_name!r}: mixer {name!r} is {mixer!r}, not a subclass "
                                       f"of oryx_megatron.mixer.LinearMixer")
-                LINEAR_MIXERS[name] = mixer
+                added[name] = mixer
+        LINEAR_MIXERS.update(added)
         _PLUGINS_ADDED = True
     return LINEAR_MIXERS
 
