@@ -24,7 +24,7 @@ import contextlib
 import importlib
 import importlib.util
 import io
-import logging
+import json
 import re
 import shlex
 import subprocess
@@ -57,7 +57,7 @@ class Repository:
     """What the references resolve against: the checkout's files, its console scripts, its config schema."""
 
     def __init__(self, root: Path = ROOT):
-        self.root = root
+        self.root, self._helper = root, None  # _helper: the child of ``help``
         listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root,
                                 capture_output=True, text=True, check=True).stdout.split("\n")
         self.files = {f for f in listed if f and (root / f).exists()}
@@ -197,24 +197,25 @@ class Repository:
     # ---- commands ----
     @lru_cache(maxsize=None)
     def help(self, command: str, subcommand: Optional[str] = None) -> Tuple[int, str]:
-        """(exit code, what `command [subcommand] --help` prints), run in this process (which keeps its argv and
-        its root logger: Hydra's help configures logging)."""
-        module, function = self.scripts[command].split(":")
-        main = getattr(importlib.import_module(module), function)
-        texts, code = [], 0
-        for flag in ("--help", "--hydra-help") if command == "oryx-train" else ("--help",):
-            out, argv, root = io.StringIO(), sys.argv, logging.getLogger()
-            handlers, level = root.handlers[:], root.level
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                try:
-                    code = main([*([subcommand] if subcommand else []), flag]) or 0
-                except SystemExit as e:
-                    code = e.code or 0
-                finally:
-                    sys.argv, root.handlers[:] = argv, handlers
-                    root.setLevel(level)
-            texts.append(out.getvalue())
-        return code, "\n".join(texts)
+        """(exit code, what `command [subcommand] --help` prints), asked of one child process (``serve_help``) that
+        imports the commands once: what a command's --help does to its process (Hydra's configures logging) stays
+        there (run in pytest's process under Python 3.12, it closed a stream pytest's capture still wrote to)."""
+        if self._helper is None:
+            child = f"import sys; sys.path.insert(0, {str(self.root)!r}); from tests.test_docs_references import " \
+                    "serve_help; serve_help()"
+            self._helper = subprocess.Popen([sys.executable, "-c", child], cwd=self.root, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True)
+        self._helper.stdin.write(json.dumps([command, subcommand]) + "\n")
+        self._helper.stdin.flush()
+        code, text = json.loads(self._helper.stdout.readline())
+        return code, text
+
+    def close(self) -> None:
+        """Ends the child of ``help``."""
+        if self._helper is not None:
+            self._helper.stdin.close()
+            self._helper.wait(timeout=60)
+            self._helper = None
 
     @cached_property
     def make_targets(self) -> set:
@@ -225,6 +226,29 @@ class Repository:
             for target in line.split():
                 targets.add(re.sub(r"\$\((\w+)\)", lambda m: variables.get(m.group(1), m.group(0)), target))
         return targets
+
+
+def serve_help() -> None:
+    """The child of ``Repository.help``: answers each line [command, subcommand] of stdin with a line [exit code,
+    --help text] (oryx-train's --hydra-help too), each command run in this process as its console script runs it."""
+    scripts, answers = Repository().scripts, sys.stdout
+    for line in sys.stdin:
+        command, subcommand = json.loads(line)
+        module, function = scripts[command].split(":")
+        main = getattr(importlib.import_module(module), function)
+        texts, code = [], 0
+        for flag in ("--help", "--hydra-help") if command == "oryx-train" else ("--help",):
+            out, argv = io.StringIO(), sys.argv
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                try:
+                    code = main([*([subcommand] if subcommand else []), flag]) or 0
+                except SystemExit as e:
+                    code = e.code or 0
+                finally:
+                    sys.argv = argv
+            texts.append(out.getvalue())
+        answers.write(json.dumps([code, "\n".join(texts)]) + "\n")
+        answers.flush()
 
 
 def _normalize(path: str) -> str:
@@ -514,7 +538,9 @@ def paths_outside(repo: Repository) -> List[str]:
 
 @pytest.fixture(scope="module")
 def checker():
-    return Checker(Repository())
+    repo = Repository()
+    yield Checker(repo)
+    repo.close()
 
 
 def test_every_reference_in_the_docs_resolves(checker):
