@@ -70,42 +70,48 @@ def test_prefill_then_decode_equals_parallel(family, prefill):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_batch_whose_sequences_stand_at_different_positions_decodes_as_each_alone(family):
-    """A serving engine's decode step: sequences at positions 5 and 17, each in its own row of slot buffers
-    (``MixerCache.rows``; a third slot idle), with modes of their own, step together as each steps alone."""
+def test_sequences_in_pages_at_different_positions_decode_as_each_alone(family):
+    """A serving engine: keys and values in a pool of pages (``MixerCache.block_table``, pages in no order, some
+    idle), each sequence prefilled in two chunks into its own pages, then sequences at positions 5 and 17 step
+    together with modes of their own: every output equals the sequence's own run in a cache of its own."""
     mixer, x, modes = build_mixer(family), hidden_states(7), random_modes(8)
-    starts, slots, steps = (5, 17), (2, 0), 8
-    alone, caches = [], []
+    starts, steps, page = (5, 17), 8, 4
+    pages_each = -(-(max(starts) + steps) // page)
+    tables = torch.randperm(2 * pages_each + 3, generator=torch.Generator().manual_seed(9))[: 2 * pages_each]
+    tables = tables.view(2, pages_each)  # 3 pages idle
+    pool = mixer.allocate_inference_cache(2 * pages_each + 3, torch.float64, capacity=page)
+    pool = None if pool.key is None else (pool.key[:, :page].clone(), pool.value[:, :page].clone())
+
+    def cache(batch, table):
+        c = mixer.allocate_inference_cache(batch, torch.float64)
+        if pool is not None:
+            c.key, c.value, c.block_table = *pool, table
+        return c
+
+    alone, paged, caches = [], [], []
     for i, start in enumerate(starts):
-        cache = mixer.allocate_inference_cache(1, torch.float64)
-        mix(mixer, x[:start, i : i + 1], modes[i : i + 1, :start], cache)
-        caches.append(cache)
-        after = mixer.allocate_inference_cache(1, torch.float64)
-        mix(mixer, x[:start, i : i + 1], modes[i : i + 1, :start], after)
-        alone.append(torch.stack([step(mixer, x[t, i : i + 1], modes[i : i + 1, t], after)
-                                  for t in range(start, start + steps)]))  # [steps, 1, hidden]
-    shared = mixer.allocate_inference_cache(2, torch.float64)
+        own, in_pages = mixer.allocate_inference_cache(1, torch.float64), cache(1, tables[i : i + 1])
+        for c, outs in ((own, alone), (in_pages, paged)):
+            first = [mix(mixer, x[a:b, i : i + 1], modes[i : i + 1, a:b], c) for a, b in ((0, 3), (3, start))]
+            outs.append([torch.cat(first)])
+        alone[i] += [step(mixer, x[t, i : i + 1], modes[i : i + 1, t], own)[None] for t in range(start, start + steps)]
+        caches.append(in_pages)
+    shared = cache(2, tables)
     shared.conv_state.copy_(torch.cat([c.conv_state for c in caches]))
     for name, state in shared.recurrent_state.items():
         state.copy_(torch.cat([c.recurrent_state[name] for c in caches]))
-    if shared.key is not None:
-        for name in ("key", "value"):
-            buffers = getattr(caches[0], name).new_zeros(3, *getattr(caches[0], name).shape[1:])
-            for cache, slot in zip(caches, slots):
-                buffers[slot] = getattr(cache, name)[0]
-            setattr(shared, name, buffers)
-        shared.rows = torch.tensor(slots)
     shared.position, shared.seqlen = torch.tensor(starts), max(starts)
-    together = []
     for k in range(steps):
         rows = torch.stack([x[start + k, i] for i, start in enumerate(starts)])  # [2, hidden]
-        together.append(step(mixer, rows, torch.stack([modes[i, start + k] for i, start in enumerate(starts)]), shared))
-    together = torch.stack(together)  # [steps, 2, hidden]
+        out = step(mixer, rows, torch.stack([modes[i, start + k] for i, start in enumerate(starts)]), shared)
+        for i in range(2):
+            paged[i].append(out[None, i : i + 1])
     for i in range(2):
-        assert (together[:, i : i + 1] - alone[i]).abs().max() < 1e-12
+        assert (torch.cat(paged[i]) - torch.cat(alone[i])).abs().max() < 1e-12
     assert shared.position.tolist() == [start + steps for start in starts]
-    if shared.key is not None:
-        assert shared.key[1].abs().max() == 0  # the idle slot is left alone
+    if pool is not None:
+        idle = sorted(set(range(2 * pages_each + 3)) - set(tables.flatten().tolist()))
+        assert len(idle) == 3 and pool[0][idle].abs().max() == 0  # pages of no sequence are left alone
 
 
 @pytest.mark.parametrize("family", FAMILIES)

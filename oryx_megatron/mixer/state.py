@@ -39,14 +39,16 @@ class MixerCache:
     ``position`` is ``seqlen`` as a device tensor: the one-token step reads and advances only it,
     so that step can be captured in a CUDA graph (a replay leaves ``seqlen`` to the caller).
 
-    A serving engine's decode step batches sequences that stand at different positions: ``position`` [b] holds
-    each one's (``seqlen`` is then the largest), and ``rows`` [b] the row of the KV buffers each one owns (an
-    engine's slots: buffers of more rows than the batch, written in place, their capacity fixed).
+    A serving engine keeps keys and values in pages: with ``block_table`` [b, n] the buffers are [pages, page
+    size, h, d], shared by every sequence of the engine, and sequence i's position p lives in page
+    ``block_table[i, p // page size]`` at ``p % page size`` (written in place; the engine allocates the pages, so a
+    sequence holds memory for the tokens it has). Its decode step batches sequences that stand at different
+    positions: ``position`` [b] holds each one's (``seqlen`` is then the largest).
     """
 
     conv_state: Tensor  # [b, h * conv width, conv_kernel - 1]: the conv streams' last inputs (OryxMixer._conv)
-    key: Optional[Tensor]  # [b, capacity, h, d_k], rotated; None: no KV cache kept
-    value: Optional[Tensor]  # [b, capacity, h, d_v]
+    key: Optional[Tensor]  # [b, capacity, h, d_k], rotated ([pages, page size, h, d_k] with block_table); None: no
+    value: Optional[Tensor]  # [b, capacity, h, d_v]                                         KV cache kept
     recurrent_state: State  # name -> [b, h, ...] fp32 or wider (LinearMixer.state_spec); empty: attention only
     position: Tensor  # 0-dim long, on the device; [b]: each sequence's own (see above; the one-token step only)
     document_start: Tensor  # [b] long: where each sequence's current document starts (keys before it are not read)
@@ -54,17 +56,22 @@ class MixerCache:
     documents: bool = False  # a document may have started after position 0: document_start is read (host-side)
     conv_weight: Optional[Tensor] = None  # the layer's joint conv weight (OryxMixer._conv_weight), made at its first
     # step and kept: a model's weights do not change while one of its caches is in use (a generation)
-    rows: Optional[Tensor] = None  # [b] long: each sequence's row of key / value; None: row i is sequence i
+    block_table: Optional[Tensor] = None  # [b, n] long: each sequence's pages of key / value (see above); None:
+    # row i of key / value is sequence i
 
     @property
     def capacity(self) -> int:
-        return 0 if self.key is None else self.key.shape[1]
+        if self.key is None:
+            return 0
+        return self.key.shape[1] * (1 if self.block_table is None else self.block_table.shape[1])
 
     def reserve(self, n_tokens: int) -> bool:
         """Room for ``n_tokens`` in all; True when the buffers were reallocated (which invalidates a
-        captured graph)."""
+        captured graph). An engine's pages are its own: past them is an error."""
         if self.key is None or n_tokens <= self.capacity:
             return False
+        if self.block_table is not None:
+            raise ValueError(f"{n_tokens} positions do not fit the {self.capacity} of the sequences' pages")
         capacity = kv_capacity(n_tokens)
         for name in ("key", "value"):
             old = getattr(self, name)
@@ -77,27 +84,45 @@ class MixerCache:
         """Store s new tokens' key/value [b, s, h, d] after the cached ones: (every key, every value)."""
         end = self.seqlen + key.shape[1]
         self.reserve(end)
+        if self.block_table is not None:
+            positions = torch.arange(self.seqlen, end, device=key.device).expand(key.shape[0], -1)  # [b, s]
+            pages, offsets = self._pages(positions)
+            self.key[pages, offsets] = key
+            self.value[pages, offsets] = value
+            return self.cached(end)
         self.key[:, self.seqlen : end] = key
         self.value[:, self.seqlen : end] = value
         return self.key[:, :end], self.value[:, :end]
 
     def write_at_position(self, key: Tensor, value: Tensor) -> None:
         """Store one token's key/value [b, 1, h, d] at ``position`` (no host-side index)."""
-        if self.position.dim() == 0 and self.rows is None:
+        if self.position.dim() == 0 and self.block_table is None:
             index = self.position.view(1)
             self.key.index_copy_(1, index, key)
             self.value.index_copy_(1, index, value)
             return
-        rows = torch.arange(key.shape[0], device=key.device) if self.rows is None else self.rows
-        self.key[rows, self.position] = key[:, 0]
-        self.value[rows, self.position] = value[:, 0]
+        position = self.position.expand(key.shape[0])
+        if self.block_table is None:
+            rows = torch.arange(key.shape[0], device=key.device)
+            self.key[rows, position] = key[:, 0]
+            self.value[rows, position] = value[:, 0]
+            return
+        pages, offsets = self._pages(position[:, None])  # [b, 1]
+        self.key[pages, offsets] = key
+        self.value[pages, offsets] = value
 
     def cached(self, length: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-        """The sequences' keys and values [b, length (None: capacity), h, d] (``rows``' copied out)."""
-        key, value = self.key[:, :length], self.value[:, :length]
-        if self.rows is None:
-            return key, value
-        return key[self.rows], value[self.rows]
+        """The sequences' keys and values [b, length (None: capacity), h, d] (copied out of their pages)."""
+        if self.block_table is None:
+            return self.key[:, :length], self.value[:, :length]
+        size = self.key.shape[1]
+        pages = self.block_table[:, : None if length is None else -(-length // size)]  # [b, n]
+        return tuple(t[pages].flatten(1, 2)[:, :length] for t in (self.key, self.value))  # [b, n * size, h, d]
+
+    def _pages(self, positions: Tensor) -> Tuple[Tensor, Tensor]:
+        """positions [b, s] of the sequences -> their (page, offset in the page), [b, s] each."""
+        size = self.key.shape[1]
+        return self.block_table.gather(1, positions // size), positions % size
 
     def initial_conv_state(self) -> Optional[Tensor]:
         """The conv state a prefill continues from: None before the first token (zero padding)."""

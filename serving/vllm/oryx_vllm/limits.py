@@ -16,15 +16,15 @@ SCHEDULE_KEY = "serving_schedule"  # --hf-overrides '{"serving_schedule": "prefi
 
 class OryxModelConfig(MambaModelConfig):
     """vLLM's start-up hook for the architecture (in the process that builds the config, before any engine
-    starts): prefix caching turned off (vLLM leaves it off for the architecture, attention-free to it, unless
-    asked), what the plugin does not serve refused, then vLLM's Mamba settings (a state slot of max_model_len
-    positions per request)."""
+    starts): prefix caching turned off (a layer's conv and recurrent states are one slot per request), what the
+    plugin does not serve refused, then vLLM's settings of its hybrid models (vLLM sizes the KV pages to the
+    states' slots once it has built the layers)."""
 
     @classmethod
     def verify_and_update_config(cls, vllm_config) -> None:
-        if vllm_config.cache_config.enable_prefix_caching:
-            logger.warning("oryx-vllm: --enable-prefix-caching turned off: each layer's state is one slot per "
-                           "request")
+        if vllm_config.cache_config.enable_prefix_caching:  # vLLM's default for a hybrid model, or asked for
+            logger.info("oryx-vllm: prefix caching off: each layer's conv and recurrent states are one slot per "
+                        "request")
             vllm_config.cache_config.enable_prefix_caching = False
         check_deployment(vllm_config)
         check_core(vllm_config.model_config.hf_config)
@@ -49,12 +49,12 @@ def check_deployment(vllm_config) -> None:
 
 
 def check_core(config) -> None:
-    """The folder's core decodes a batch of requests at positions of their own (``MixerCache.rows``, 2026-12-07);
-    an earlier export's does not."""
+    """The folder's core keeps keys and values in an engine's pages (``MixerCache.block_table``, 2026-12-07); an
+    earlier export's does not."""
     state = importlib.import_module(type(config).__module__.rsplit(".", 1)[0] + ".oryx_mixer_state")
-    if "rows" not in getattr(state.MixerCache, "__dataclass_fields__", {}):
-        raise OryxServingError("oryx-vllm: the folder's core decodes one position per batch (its MixerCache has no "
-                               "rows): export the folder again (oryx-export hf)")
+    if "block_table" not in getattr(state.MixerCache, "__dataclass_fields__", {}):
+        raise OryxServingError("oryx-vllm: the folder's core keeps no keys and values in pages (its MixerCache has no "
+                               "block_table): export the folder again (oryx-export hf)")
 
 
 def serving_schedule(config: Any, schedules) -> Any:

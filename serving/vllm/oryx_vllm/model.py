@@ -1,18 +1,22 @@
 """``OryxForCausalLM`` inside vLLM: the folder's own model computes (its one mixer core, every layer updating the
-KV cache and the recurrent state on every token), vLLM owns the memory. Each layer's whole inference state -- the
-short convs' states, each tensor of the recurrent state (``LinearMixer.state_spec``) and the layer's keys and values
-for ``max_model_len`` positions -- is one vLLM "mamba" state of that layer (``OryxLayerState``), a slot per running
-request: vLLM allocates it, hands each request its slot and keeps it across chunked-prefill steps and decode steps.
+KV cache and the recurrent state on every token), vLLM owns the memory, as it does for its own hybrid models
+(``IsHybrid``): each layer's keys and values are a vLLM attention layer's paged KV cache (``Attention``, an
+attention KV spec: a request holds pages for the tokens it has), and the layer's short convs' states and each
+tensor of its recurrent state (``LinearMixer.state_spec``) are one vLLM "mamba" state of that layer
+(``OryxLayerState``), a slot per running request. vLLM allocates both, hands each request its pages and slot and
+keeps them across chunked-prefill steps and decode steps. No vLLM attention kernel runs: the core writes and reads
+the pages itself (``MixerCache.block_table``), so a token of either mode writes its key and value there.
 
 A step's decoding requests (one token each, at positions of their own) run as one batch through the core, one
-call per layer: the core reads and writes each request's keys and values in its slot in place (``MixerCache.rows``,
-``MixerCache.position`` per request), the conv and recurrent states of the batch's slots are gathered before the
-layer and written back after it, and each request reads the mode of its own schedule at its position. Each
-prefill chunk runs through the core on its own, over its slot's views (batch 1): the core's packed documents
-restart from zero states, and a chunk continues its request's. Schedules come from ``oryx_vllm.requests`` (the
-request's ``oryx_schedule``, else the deployment's ``serving_schedule``, docs/serving.md), so requests of
-different schedules share a batch."""
+call per layer: each request at its own position (``MixerCache.position`` [b]) in its own pages, the conv and
+recurrent states of the batch's slots gathered before the layer and written back after it, and each request reads
+the mode of its own schedule at its position. Each prefill chunk runs through the core on its own (batch 1): the
+core's packed documents restart from zero states, and a chunk continues its request's. Schedules come from
+``oryx_vllm.requests`` (the request's ``oryx_schedule``, else the deployment's ``serving_schedule``,
+docs/serving.md), so requests of different schedules share a batch."""
 
+import dataclasses
+from functools import lru_cache
 from typing import Iterable, List, Set, Tuple
 
 import numpy as np
@@ -21,10 +25,13 @@ from torch import Tensor, nn
 
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from oryx_vllm import OryxServingError
 from oryx_vllm.core import load_core
 from oryx_vllm.limits import serving_schedule
 from oryx_vllm.requests import ROWS
@@ -33,24 +40,53 @@ from oryx_vllm.requests import ROWS
 RECURRENT = "recurrent_state."  # the entries of the recurrent state's tensors: recurrent_state.<name>
 
 
-def state_layout(mixer, max_len: int) -> Tuple[List[str], List[tuple], List[torch.dtype]]:
-    """Names, per-slot shapes and dtypes of one layer's state, one vLLM state entry per tensor: conv_state, each
-    tensor of the linear mixer's state (``recurrent_state.<name>``: ``LinearMixer.state_spec``), key, value."""
-    cache = mixer.allocate_inference_cache(1, torch.get_default_dtype(), device="meta", capacity=max_len)
+def state_layout(mixer) -> Tuple[List[str], List[tuple], List[torch.dtype]]:
+    """Names, per-slot shapes and dtypes of one layer's state, one vLLM state entry per tensor: conv_state and each
+    tensor of the linear mixer's state (``recurrent_state.<name>``: ``LinearMixer.state_spec``)."""
+    cache = mixer.allocate_inference_cache(1, torch.get_default_dtype(), device="meta", kv_cache=False)
     entries = {"conv_state": cache.conv_state, **{RECURRENT + name: t for name, t in cache.recurrent_state.items()}}
-    if cache.key is not None:  # [1, capacity, h, d] -> max_len positions
-        entries.update(key=cache.key[:, :max_len], value=cache.value[:, :max_len])
     return list(entries), [tuple(t.shape[1:]) for t in entries.values()], [t.dtype for t in entries.values()]
 
 
-class OryxLayerState(MambaBase, nn.Module):
-    """One layer's inference state as vLLM cache memory: ``kv_cache`` holds a tensor [slots, *shape] per entry of
-    ``state_layout``; ``cache(slot, start)`` is the core's MixerCache of batch 1 over that slot's views."""
+@lru_cache(maxsize=None)
+def folder_layers(folder: str, dtype: torch.dtype) -> List[Tuple[Tuple[List[str], List[tuple], List[torch.dtype]],
+                                                                 bool]]:
+    """Each layer's (``state_layout``, whether it keeps keys and values) of the folder's model, built on the meta
+    device (vLLM sizes pages before it builds the model)."""
+    from transformers import AutoConfig
 
-    def __init__(self, mixer, max_len: int, mixer_cache_class, prefix: str):
+    core = load_core(folder)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = core.model_class(config)
+        return [(state_layout(layer.mixer), keeps_kv(layer.mixer)) for layer in model.model.layers]
+    finally:
+        torch.set_default_dtype(default)
+
+
+def keeps_kv(mixer) -> bool:
+    return mixer.allocate_inference_cache(1, torch.float32, device="meta", capacity=1).key is not None
+
+
+def page_bytes(layout) -> int:
+    """Bytes of one slot of a layer's state."""
+    _, shapes, dtypes = layout
+    return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in zip(shapes, dtypes))
+
+
+class OryxLayerState(MambaBase, nn.Module):
+    """One layer's conv and recurrent states as vLLM cache memory: ``kv_cache`` holds a tensor [slots, *shape] per
+    entry of ``state_layout``; ``cache(slot, start, pages)`` is the core's MixerCache of batch 1 over that slot's
+    views and the request's pages of keys and values (``KVPages``)."""
+
+    def __init__(self, mixer, mixer_cache_class, largest_page: int, kv_bytes_per_token: int, prefix: str):
         super().__init__()
-        self.names, self.shapes, self.dtypes = state_layout(mixer, max_len)
+        self.names, self.shapes, self.dtypes = state_layout(mixer)
         self.mixer_cache_class, self.prefix = mixer_cache_class, prefix
+        self.largest_page, self.kv_bytes_per_token = largest_page, kv_bytes_per_token
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -64,33 +100,49 @@ class OryxLayerState(MambaBase, nn.Module):
     def get_state_dtype(self) -> tuple:
         return tuple(self.dtypes)
 
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> MambaSpec:
+        """vLLM's spec, every layer's slot padded to one page: the KV pages' (vLLM sized them to hold the largest
+        slot, counting values of the keys' head size), else the largest layer's (a layer pattern's layers differ)."""
+        page = self.largest_page
+        if self.kv_bytes_per_token:
+            page = vllm_config.cache_config.block_size * self.kv_bytes_per_token
+            if page < self.largest_page:
+                size = vllm_config.cache_config.block_size
+                needed = -(-self.largest_page // self.kv_bytes_per_token // 32) * 32
+                raise OryxServingError(f"oryx-vllm: --block-size {size}: a page of keys and values ({page} bytes) is "
+                                       f"smaller than a layer's states ({self.largest_page} bytes); pass --block-size "
+                                       f"{needed}")
+        return dataclasses.replace(super().get_kv_cache_spec(vllm_config), page_size_padded=page)
+
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.MAMBA1  # its metadata only: slots, query starts; no kernel of it runs
 
-    def cache(self, slot: int, start: int):
+    def cache(self, slot: int, start: int, pages):
         """The MixerCache of the request in ``slot`` whose first token of this step is at position ``start``
-        (0: a new request, whose slot may hold an earlier request's states: zeroed)."""
+        (0: a new request, whose slot may hold an earlier request's states: zeroed); ``pages``: its keys' and
+        values' (``KVPages.of``, or None: a layer without attention)."""
         views = {name: t[slot : slot + 1] for name, t in zip(self.names, self.kv_cache)}
         if start == 0:
-            for name, view in views.items():
-                if name not in ("key", "value"):
-                    view.zero_()
+            for view in views.values():
+                view.zero_()
         device = self.kv_cache[0].device
         recurrent = {name[len(RECURRENT):]: view for name, view in views.items() if name.startswith(RECURRENT)}
-        return self.mixer_cache_class(views["conv_state"], views.get("key"), views.get("value"),
-                                      recurrent, torch.tensor(start, device=device),
-                                      torch.zeros(1, dtype=torch.long, device=device), start)
+        key, value, table = (None, None, None) if pages is None else pages
+        return self.mixer_cache_class(views["conv_state"], key, value, recurrent, torch.tensor(start, device=device),
+                                      torch.zeros(1, dtype=torch.long, device=device), start, block_table=table)
 
-    def batch_cache(self, slots: Tensor, positions: Tensor, longest: int):
+    def batch_cache(self, slots: Tensor, positions: Tensor, longest: int, pages):
         """The MixerCache of a decode batch: each request's conv and recurrent states gathered from its slot
-        (``slots`` [b]; ``scatter`` writes them back), keys and values read and written in the slots in place,
-        each request at its own position (``positions`` [b]; ``longest``: their largest)."""
+        (``slots`` [b]; ``scatter`` writes them back), keys and values read and written in its pages in place
+        (``pages``: ``KVPages.of`` the batch, or None), each request at its own position (``positions`` [b];
+        ``longest``: their largest)."""
         states = dict(zip(self.names, self.kv_cache))
         recurrent = {name[len(RECURRENT):]: t[slots] for name, t in states.items() if name.startswith(RECURRENT)}
-        return self.mixer_cache_class(
-            states["conv_state"][slots], states.get("key"), states.get("value"), recurrent, positions.clone(),
-            torch.zeros_like(positions), longest, conv_weight=self.conv_weight, rows=slots if "key" in states else None)
+        key, value, table = (None, None, None) if pages is None else pages
+        return self.mixer_cache_class(states["conv_state"][slots], key, value, recurrent, positions.clone(),
+                                      torch.zeros_like(positions), longest, conv_weight=self.conv_weight,
+                                      block_table=table)
 
     def scatter(self, cache, slots: Tensor) -> None:
         """Write a decode batch's conv and recurrent states back into their slots (and keep its conv weight: the
@@ -99,11 +151,27 @@ class OryxLayerState(MambaBase, nn.Module):
         for name, t in zip(self.names, self.kv_cache):
             if name == "conv_state":
                 t[slots] = cache.conv_state
-            elif name.startswith(RECURRENT):
+            else:
                 t[slots] = cache.recurrent_state[name[len(RECURRENT):]]
 
 
-class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+class KVPages(Attention):
+    """One layer's keys and values in vLLM's paged KV cache: a vLLM attention layer (vLLM sizes, allocates and
+    assigns its pages, and hands the step its block table), whose attention the core computes, not vLLM."""
+
+    def of(self, rows) -> Tuple[Tensor, Tensor, Tensor]:
+        """(key pages, value pages [pages, page size, h, d], views of vLLM's tensor, and the block table [b, n] of
+        the step's requests at ``rows``), as ``MixerCache`` reads them."""
+        cache = self.kv_cache  # [pages, h, page size, d_k + d_v]: per page and head, its keys, then its values
+        pages, heads, size, _ = cache.shape
+        d_k, d_v = self.head_size, self.head_size_v
+        key, value = cache.view(pages, heads, -1).split([size * d_k, size * d_v], dim=-1)
+        key, value = key.view(pages, heads, size, d_k), value.view(pages, heads, size, d_v)
+        table = get_forward_context().attn_metadata[self.layer_name].block_table[rows]
+        return key.transpose(1, 2), value.transpose(1, 2), table
+
+
+class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
     """vLLM's model over the folder's ``OryxForCausalLM`` (same parameter names: ``model.*``, ``lm_head``)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -115,10 +183,30 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         hf = core.model_class(config)
         self.model, self.lm_head = hf.model, hf.lm_head
         self.tied = bool(config.tie_word_embeddings)
-        max_len = vllm_config.model_config.max_model_len
-        self.states = nn.ModuleList(
-            OryxLayerState(layer.mixer, max_len, core.state.MixerCache, f"{prefix}states.{i}".lstrip("."))
-            for i, layer in enumerate(self.model.layers))
+        name = lambda kind, i: f"{prefix}{kind}.{i}".lstrip(".")  # noqa: E731
+        heads, d_k, d_v = config.num_attention_heads, config.head_dim, config.value_head_dim
+        self.kv = nn.ModuleList(  # None: a layer that keeps no keys and values (a layer pattern's linear layers)
+            KVPages(heads, d_k, d_k ** -0.5, cache_config=vllm_config.cache_config, prefix=name("kv", i),
+                    head_size_v=d_v) if keeps_kv(layer.mixer) else None for i, layer in enumerate(self.model.layers))
+        largest = max(spec.page_size_bytes for spec in self.get_mamba_specs_from_config(vllm_config))
+        kv_bytes = heads * (d_k + d_v) * vllm_config.model_config.dtype.itemsize if any(self.kv) else 0
+        self.states = nn.ModuleList(OryxLayerState(layer.mixer, core.state.MixerCache, largest, kv_bytes,
+                                                   name("states", i)) for i, layer in enumerate(self.model.layers))
+
+    @classmethod
+    def get_mamba_specs_from_config(cls, vllm_config: VllmConfig) -> List[MambaSpec]:
+        """The distinct layers' state specs (vLLM sizes attention pages to hold the largest)."""
+        layouts = {tuple(map(tuple, layout[1:])) for layout, _ in folder_layers(
+            vllm_config.model_config.model, vllm_config.model_config.dtype)}
+        return [MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1) for shapes, dtypes in layouts]
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return max(cls.get_mamba_specs_from_config(vllm_config), key=lambda spec: spec.page_size_bytes).shapes
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return max(cls.get_mamba_specs_from_config(vllm_config), key=lambda spec: spec.page_size_bytes).dtypes
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         return self.model.embed_tokens(input_ids)
@@ -149,41 +237,44 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
             slots = [torch.tensor([layer[row][2] for row in batch], device=hidden.device) for layer in per_layer]
             modes = [ROWS[row].mode_at(starts[row], self.core.schedules, self.schedule) for row in batch]
             out[tokens] = self._decode(hidden[tokens], positions[tokens], slots, modes,
-                                       max(starts[row] for row in batch))
+                                       max(starts[row] for row in batch), batch)
         for row in sorted(set(range(len(order))) - set(batch)):  # prefill chunks, one by one
             begin, end, _ = order[row]
             modes = ROWS[row].modes(self.core.schedules, self.schedule)
             slots = [layer_requests[row][2] for layer_requests in per_layer]
-            out[begin:end] = self._run(hidden[None, begin:end], slots, starts[row], modes)[0]
+            out[begin:end] = self._run(hidden[None, begin:end], slots, starts[row], modes, row)[0]
         return out
 
     def _decode(self, hidden: Tensor, positions: Tensor, slots: List[Tensor], modes: List[int],
-                longest: int) -> Tensor:
+                longest: int, rows: List[int]) -> Tensor:
         """One token of each decoding request [b, hidden] through every layer, one core call per layer: each
-        request at its own position (``positions`` [b]) in its slot (``slots``: one [b] per layer), reading its
-        own mode (``modes``: one per request; one mixer only computes when they agree)."""
+        request at its own position (``positions`` [b]) in its slot (``slots``: one [b] per layer) and its pages
+        (the step's requests ``rows``), reading its own mode (``modes``: one per request; one mixer only computes
+        when they agree)."""
         if len(set(modes)) == 1:
             context = self.core.context.MixerContext.build(self.config.mixer_config, int(modes[0]))
         else:
             context = self.core.context.MixerContext.build(
                 self.config.mixer_config, torch.tensor(modes, device=hidden.device)[:, None], decode=True)
         contexts = context.for_layers(self.model.layer_configs)
-        for layer, layer_context, state, layer_slots in zip(self.model.layers, contexts, self.states, slots):
-            cache = state.batch_cache(layer_slots, positions, longest)
+        for layer, layer_context, state, kv, layer_slots in zip(self.model.layers, contexts, self.states, self.kv,
+                                                                slots):
+            cache = state.batch_cache(layer_slots, positions, longest, None if kv is None else kv.of(rows))
             hidden = layer(hidden, layer_context, cache)
             state.scatter(cache, layer_slots)
         return self.model.norm(hidden)
 
-    def _run(self, hidden: Tensor, slots: List[int], start: int, request_modes) -> Tensor:
-        """One request's tokens of this step [1, s, hidden] through every layer with its states (in ``slots``, one per
-        layer); ``request_modes``: int8 [positions] of the whole request (the last one repeated past its end)."""
+    def _run(self, hidden: Tensor, slots: List[int], start: int, request_modes, row: int) -> Tensor:
+        """One request's tokens of this step [1, s, hidden] (the step's request ``row``) through every layer with
+        its states (in ``slots``, one per layer) and pages; ``request_modes``: int8 [positions] of the whole
+        request (the last one repeated past its end)."""
         s = hidden.shape[1]
         modes = request_modes[start:start + s]
         modes = torch.from_numpy(np.pad(modes, (0, s - len(modes)), mode="edge")).long()[None]
         context = self.core.context.MixerContext.build(self.config.mixer_config, modes.to(hidden.device))
         contexts = context.for_layers(self.model.layer_configs)  # a layer pattern's layers read as their mixers do
-        for layer, layer_context, state, slot in zip(self.model.layers, contexts, self.states, slots):
-            hidden = layer(hidden, layer_context, state.cache(slot, start))
+        for layer, layer_context, state, kv, slot in zip(self.model.layers, contexts, self.states, self.kv, slots):
+            hidden = layer(hidden, layer_context, state.cache(slot, start, None if kv is None else kv.of([row])))
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
