@@ -10,10 +10,11 @@ the pages itself (``MixerCache.block_table``), so a token of either mode writes 
 A step's decoding requests (one token each, at positions of their own) run as one batch through the core, one
 call per layer: each request at its own position (``MixerCache.position`` [b]) in its own pages, the conv and
 recurrent states of the batch's slots gathered before the layer and written back after it, and each request reads
-the mode of its own schedule at its position. Each prefill chunk runs through the core on its own (batch 1): the
-core's packed documents restart from zero states, and a chunk continues its request's. Schedules come from
-``oryx_vllm.requests`` (the request's ``oryx_schedule``, else the deployment's ``serving_schedule``,
-docs/serving.md), so requests of different schedules share a batch."""
+the mode of its own schedule at its position. The step's prefill chunks of one start and one length (new prompts
+of one length, above all) run as one batch the same way; the core's packed documents would restart every chunk
+from zero states, where a chunk continues its request's. Schedules come from ``oryx_vllm.requests`` (the
+request's ``oryx_schedule``, else the deployment's ``serving_schedule``, docs/serving.md), so requests of
+different schedules share a batch."""
 
 import dataclasses
 from functools import lru_cache
@@ -71,12 +72,6 @@ def keeps_kv(mixer) -> bool:
     return mixer.allocate_inference_cache(1, torch.float32, device="meta", capacity=1).key is not None
 
 
-def page_bytes(layout) -> int:
-    """Bytes of one slot of a layer's state."""
-    _, shapes, dtypes = layout
-    return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in zip(shapes, dtypes))
-
-
 class OryxLayerState(MambaBase, nn.Module):
     """One layer's conv and recurrent states as vLLM cache memory: ``kv_cache`` holds a tensor [slots, *shape] per
     entry of ``state_layout``; ``cache(slot, start, pages)`` is the core's MixerCache of batch 1 over that slot's
@@ -118,35 +113,26 @@ class OryxLayerState(MambaBase, nn.Module):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.MAMBA1  # its metadata only: slots, query starts; no kernel of it runs
 
-    def cache(self, slot: int, start: int, pages):
-        """The MixerCache of the request in ``slot`` whose first token of this step is at position ``start``
-        (0: a new request, whose slot may hold an earlier request's states: zeroed); ``pages``: its keys' and
-        values' (``KVPages.of``, or None: a layer without attention)."""
-        views = {name: t[slot : slot + 1] for name, t in zip(self.names, self.kv_cache)}
-        if start == 0:
-            for view in views.values():
-                view.zero_()
-        device = self.kv_cache[0].device
-        recurrent = {name[len(RECURRENT):]: view for name, view in views.items() if name.startswith(RECURRENT)}
-        key, value, table = (None, None, None) if pages is None else pages
-        return self.mixer_cache_class(views["conv_state"], key, value, recurrent, torch.tensor(start, device=device),
-                                      torch.zeros(1, dtype=torch.long, device=device), start, block_table=table)
-
-    def batch_cache(self, slots: Tensor, positions: Tensor, longest: int, pages):
-        """The MixerCache of a decode batch: each request's conv and recurrent states gathered from its slot
-        (``slots`` [b]; ``scatter`` writes them back), keys and values read and written in its pages in place
-        (``pages``: ``KVPages.of`` the batch, or None), each request at its own position (``positions`` [b];
-        ``longest``: their largest)."""
+    def batch_cache(self, slots: Tensor, positions: Tensor, pages):
+        """The MixerCache of a batch of requests, each at its own position (``positions`` [b], its first token of
+        this step; all equal for prefill chunks): each request's conv and recurrent states gathered from its slot
+        (``slots`` [b]; zeros at position 0: a slot may hold an earlier request's; ``scatter`` writes them back),
+        keys and values read and written in its pages in place (``pages``: ``KVPages.of`` the batch, or None)."""
         states = dict(zip(self.names, self.kv_cache))
-        recurrent = {name[len(RECURRENT):]: t[slots] for name, t in states.items() if name.startswith(RECURRENT)}
+        gathered = {name: t[slots] for name, t in states.items()}
+        fresh = positions == 0
+        if bool(fresh.any()):
+            for t in gathered.values():
+                t.masked_fill_(fresh.view(-1, *(1,) * (t.dim() - 1)), 0)
+        recurrent = {name[len(RECURRENT):]: t for name, t in gathered.items() if name.startswith(RECURRENT)}
         key, value, table = (None, None, None) if pages is None else pages
-        return self.mixer_cache_class(states["conv_state"][slots], key, value, recurrent, positions.clone(),
-                                      torch.zeros_like(positions), longest, conv_weight=self.conv_weight,
-                                      block_table=table)
+        return self.mixer_cache_class(gathered["conv_state"], key, value, recurrent, positions.clone(),
+                                      torch.zeros_like(positions), int(positions.max()),
+                                      conv_weight=self.conv_weight, block_table=table)
 
     def scatter(self, cache, slots: Tensor) -> None:
-        """Write a decode batch's conv and recurrent states back into their slots (and keep its conv weight: the
-        weights do not change while the engine serves)."""
+        """Write a batch's conv and recurrent states back into their slots (and keep its conv weight: the weights
+        do not change while the engine serves)."""
         self.conv_weight = cache.conv_weight
         for name, t in zip(self.names, self.kv_cache):
             if name == "conv_state":
@@ -162,13 +148,14 @@ class KVPages(Attention):
     def of(self, rows) -> Tuple[Tensor, Tensor, Tensor]:
         """(key pages, value pages [pages, page size, h, d], views of vLLM's tensor, and the block table [b, n] of
         the step's requests at ``rows``), as ``MixerCache`` reads them."""
-        cache = self.kv_cache  # [pages, h, page size, d_k + d_v]: per page and head, its keys, then its values
-        pages, heads, size, _ = cache.shape
+        # vLLM's tensor [pages, h, page size, d_k + d_v] is the pages' memory, page after page; no vLLM kernel reads
+        # it, so each page holds the core's layout: its keys [page size, h, d_k], then its values [page size, h, d_v]
+        pages, heads, size, _ = self.kv_cache.shape
         d_k, d_v = self.head_size, self.head_size_v
-        key, value = cache.view(pages, heads, -1).split([size * d_k, size * d_v], dim=-1)
-        key, value = key.view(pages, heads, size, d_k), value.view(pages, heads, size, d_v)
+        key, value = self.kv_cache.view(pages, -1).split([size * heads * d_k, size * heads * d_v], dim=1)
+        key, value = key.view(pages, size, heads, d_k), value.view(pages, size, heads, d_v)
         table = get_forward_context().attn_metadata[self.layer_name].block_table[rows]
-        return key.transpose(1, 2), value.transpose(1, 2), table
+        return key, value, table
 
 
 class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
@@ -231,50 +218,42 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
         order = per_layer[0]
         starts = positions[[begin for begin, _, _ in order]].tolist() if order else []
         # decodes: a token after earlier ones (a prompt's first token runs as a prefill, from zero states)
-        batch = [row for row, (begin, end, _) in enumerate(order) if end - begin == 1 and starts[row] > 0]
-        if batch:
-            tokens = torch.tensor([order[row][0] for row in batch], device=hidden.device)
-            slots = [torch.tensor([layer[row][2] for row in batch], device=hidden.device) for layer in per_layer]
-            modes = [ROWS[row].mode_at(starts[row], self.core.schedules, self.schedule) for row in batch]
-            out[tokens] = self._decode(hidden[tokens], positions[tokens], slots, modes,
-                                       max(starts[row] for row in batch), batch)
-        for row in sorted(set(range(len(order))) - set(batch)):  # prefill chunks, one by one
-            begin, end, _ = order[row]
-            modes = ROWS[row].modes(self.core.schedules, self.schedule)
-            slots = [layer_requests[row][2] for layer_requests in per_layer]
-            out[begin:end] = self._run(hidden[None, begin:end], slots, starts[row], modes, row)[0]
+        decodes = [row for row, (begin, end, _) in enumerate(order) if end - begin == 1 and starts[row] > 0]
+        if decodes:
+            tokens = torch.tensor([order[row][0] for row in decodes], device=hidden.device)
+            modes = [ROWS[row].mode_at(starts[row], self.core.schedules, self.schedule) for row in decodes]
+            if len(set(modes)) == 1:  # one mixer computes
+                context = self.core.context.MixerContext.build(self.config.mixer_config, modes[0])
+            else:
+                context = self.core.context.MixerContext.build(
+                    self.config.mixer_config, torch.tensor(modes, device=hidden.device)[:, None], decode=True)
+            out[tokens] = self._layers(hidden[tokens], context, per_layer, decodes, positions[tokens])
+        chunks = {}  # prefill chunks of one start and length run as one batch: (start, length) -> rows
+        for row in sorted(set(range(len(order))) - set(decodes)):
+            chunks.setdefault((starts[row], order[row][1] - order[row][0]), []).append(row)
+        for (start, length), rows in chunks.items():
+            tokens = torch.tensor([order[row][0] for row in rows], device=hidden.device)[:, None] + torch.arange(
+                length, device=hidden.device)  # [b, length]
+            modes = np.stack([ROWS[row].chunk_modes(start, length, self.core.schedules, self.schedule)
+                              for row in rows])
+            context = self.core.context.MixerContext.build(self.config.mixer_config,
+                                                           torch.from_numpy(modes).long().to(hidden.device))
+            at = torch.full((len(rows),), start, device=hidden.device)
+            out[tokens] = self._layers(hidden[tokens], context, per_layer, rows, at)
         return out
 
-    def _decode(self, hidden: Tensor, positions: Tensor, slots: List[Tensor], modes: List[int],
-                longest: int, rows: List[int]) -> Tensor:
-        """One token of each decoding request [b, hidden] through every layer, one core call per layer: each
-        request at its own position (``positions`` [b]) in its slot (``slots``: one [b] per layer) and its pages
-        (the step's requests ``rows``), reading its own mode (``modes``: one per request; one mixer only computes
-        when they agree)."""
-        if len(set(modes)) == 1:
-            context = self.core.context.MixerContext.build(self.config.mixer_config, int(modes[0]))
-        else:
-            context = self.core.context.MixerContext.build(
-                self.config.mixer_config, torch.tensor(modes, device=hidden.device)[:, None], decode=True)
+    def _layers(self, hidden: Tensor, context, per_layer, rows: List[int], positions: Tensor) -> Tensor:
+        """The step's requests ``rows`` through every layer, one core call per layer: a decode's token each
+        (hidden [b, hidden]) or prefill chunks of one length from one position ([b, s, hidden]; ``positions``
+        [b]: each request's first position of this step), each request in its slot (``per_layer``) and pages;
+        ``context``: the tokens' modes (a layer pattern's layers read as their mixers do)."""
         contexts = context.for_layers(self.model.layer_configs)
-        for layer, layer_context, state, kv, layer_slots in zip(self.model.layers, contexts, self.states, self.kv,
-                                                                slots):
-            cache = state.batch_cache(layer_slots, positions, longest, None if kv is None else kv.of(rows))
+        for layer, layer_context, state, kv, layer_requests in zip(self.model.layers, contexts, self.states, self.kv,
+                                                                   per_layer):
+            slots = torch.tensor([layer_requests[row][2] for row in rows], device=hidden.device)
+            cache = state.batch_cache(slots, positions, None if kv is None else kv.of(rows))
             hidden = layer(hidden, layer_context, cache)
-            state.scatter(cache, layer_slots)
-        return self.model.norm(hidden)
-
-    def _run(self, hidden: Tensor, slots: List[int], start: int, request_modes, row: int) -> Tensor:
-        """One request's tokens of this step [1, s, hidden] (the step's request ``row``) through every layer with
-        its states (in ``slots``, one per layer) and pages; ``request_modes``: int8 [positions] of the whole
-        request (the last one repeated past its end)."""
-        s = hidden.shape[1]
-        modes = request_modes[start:start + s]
-        modes = torch.from_numpy(np.pad(modes, (0, s - len(modes)), mode="edge")).long()[None]
-        context = self.core.context.MixerContext.build(self.config.mixer_config, modes.to(hidden.device))
-        contexts = context.for_layers(self.model.layer_configs)  # a layer pattern's layers read as their mixers do
-        for layer, layer_context, state, kv, slot in zip(self.model.layers, contexts, self.states, self.kv, slots):
-            hidden = layer(hidden, layer_context, state.cache(slot, start, None if kv is None else kv.of([row])))
+            state.scatter(cache, slots)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -78,6 +78,11 @@ class Row:
         return self._modes
 
 
+    def chunk_modes(self, start: int, length: int, schedules: ModuleType, default) -> np.ndarray:
+        """int8 modes of the positions start .. start + length - 1 (the last one repeated past the request's end)."""
+        modes = self.modes(schedules, default)[start:start + length]
+        return np.pad(modes, (0, length - len(modes)), mode="edge")
+
     def mode_at(self, position: int, schedules: ModuleType, default) -> int:
         modes = self.modes(schedules, default)
         return int(modes[min(position, len(modes) - 1)])
