@@ -165,7 +165,8 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
         super().__init__()
         config = vllm_config.model_config.hf_config
         core = load_core(vllm_config.model_config.model)
-        self.core, self.config = core, config
+        self.core = core
+        self.mixer_config = config.mixer_config  # built from the config's fields at each read
         self.schedule = serving_schedule(config, core.schedules)
         hf = core.model_class(config)
         self.model, self.lm_head = hf.model, hf.lm_head
@@ -223,10 +224,10 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
             tokens = torch.tensor([order[row][0] for row in decodes], device=hidden.device)
             modes = [ROWS[row].mode_at(starts[row], self.core.schedules, self.schedule) for row in decodes]
             if len(set(modes)) == 1:  # one mixer computes
-                context = self.core.context.MixerContext.build(self.config.mixer_config, modes[0])
+                context = self.core.context.MixerContext.build(self.mixer_config, modes[0])
             else:
                 context = self.core.context.MixerContext.build(
-                    self.config.mixer_config, torch.tensor(modes, device=hidden.device)[:, None], decode=True)
+                    self.mixer_config, torch.tensor(modes, device=hidden.device)[:, None], decode=True)
             out[tokens] = self._layers(hidden[tokens], context, per_layer, decodes, positions[tokens])
         chunks = {}  # prefill chunks of one start and length run as one batch: (start, length) -> rows
         for row in sorted(set(range(len(order))) - set(decodes)):
@@ -236,7 +237,7 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 length, device=hidden.device)  # [b, length]
             modes = np.stack([ROWS[row].chunk_modes(start, length, self.core.schedules, self.schedule)
                               for row in rows])
-            context = self.core.context.MixerContext.build(self.config.mixer_config,
+            context = self.core.context.MixerContext.build(self.mixer_config,
                                                            torch.from_numpy(modes).long().to(hidden.device))
             at = torch.full((len(rows),), start, device=hidden.device)
             out[tokens] = self._layers(hidden[tokens], context, per_layer, rows, at)
