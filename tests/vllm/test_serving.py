@@ -46,6 +46,23 @@ def test_every_schedule_per_request_in_one_batch_gives_oryx_generates_tokens(ser
         assert list(output.outputs[0].token_ids) == want, (family, schedule, len(expected["prompts"][i]))
 
 
+def test_requests_preempted_when_the_pages_run_out_resume_with_oryx_generates_tokens(folders):
+    """Keys and values in pages (docs/serving.md): with 12 pages of 32 tokens, a decoding request that needs a new
+    page preempts another, whose prompt and tokens so far run again as a prefill from zero states when pages are
+    free; every schedule's tokens stay oryx-generate's."""
+    root, expected = folders
+    llm = LLM(model=str(root / "oryx_tg"), **{**ENGINE, "block_size": 32, "num_gpu_blocks_override": 12,
+                                             "disable_log_stats": False})
+    tokens, rows = expected["tokens"]["oryx_tg"], range(len(expected["prompts"]))
+    cases = [(schedule, i) for schedule in tokens for i in rows]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=expected["prompts"][i]) for _, i in cases],
+                           [params(expected, schedule) for schedule, _ in cases], use_tqdm=False)
+    assert [list(output.outputs[0].token_ids) for output in outputs] == [tokens[s][i] for s, i in cases]
+    preemptions = {m.name: m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"}
+    assert preemptions["vllm:num_preemptions"] > 0
+    del llm
+
+
 NOT_SERVED = [
     ("sometimes_attention", r"oryx_schedule='sometimes_attention': .*expected a schedule name"),
     ("router budget=0.1", r"oryx_schedule='router budget=0.1': router schedules are not served"),
