@@ -63,6 +63,21 @@ def test_requests_preempted_when_the_pages_run_out_resume_with_oryx_generates_to
     del llm
 
 
+def test_prefix_caching_is_turned_off_in_one_info_line(folders, monkeypatch):
+    """vLLM 0.32 turns prefix caching on for a hybrid model; the plugin turns it off (a layer's conv and recurrent
+    states are one slot per request) and says so in one line of vLLM's logger ("vllm.oryx_vllm": vLLM configures
+    its handlers when the engine starts, so the test reads the call)."""
+    from oryx_vllm import limits
+
+    root, _ = folders
+    lines = []
+    monkeypatch.setattr(limits.logger, "info", lines.append)
+    llm = LLM(model=str(root / "oryx_tg"), enable_prefix_caching=True, **ENGINE)
+    assert lines == ["oryx-vllm: prefix caching off: each layer's conv and recurrent states are one slot per request"]
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+    del llm
+
+
 NOT_SERVED = [
     ("sometimes_attention", r"oryx_schedule='sometimes_attention': .*expected a schedule name"),
     ("router budget=0.1", r"oryx_schedule='router budget=0.1': router schedules are not served"),

@@ -1,15 +1,15 @@
 """What a deployment may ask, checked at start-up: each refusal one line naming the setting (docs/serving.md)."""
 
 import importlib
-import logging
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.model_executor.models.config import MambaModelConfig
 
 from oryx_vllm import OryxServingError
 from oryx_vllm.requests import parse_schedule, serve
 
-logger = logging.getLogger("oryx_vllm")
+logger = init_logger("vllm.oryx_vllm")  # under vLLM's logger: its handler and level print it
 
 SCHEDULE_KEY = "serving_schedule"  # --hf-overrides '{"serving_schedule": "prefill=linear decode=attention"}'
 
