@@ -50,10 +50,9 @@ def state_layout(mixer) -> Tuple[List[str], List[tuple], List[torch.dtype]]:
 
 
 @lru_cache(maxsize=None)
-def folder_layers(folder: str, dtype: torch.dtype) -> List[Tuple[Tuple[List[str], List[tuple], List[torch.dtype]],
-                                                                 bool]]:
-    """Each layer's (``state_layout``, whether it keeps keys and values) of the folder's model, built on the meta
-    device (vLLM sizes pages before it builds the model)."""
+def folder_state_layouts(folder: str, dtype: torch.dtype) -> List[Tuple[List[str], List[tuple], List[torch.dtype]]]:
+    """Each layer's ``state_layout`` in the folder's model, built on the meta device (vLLM sizes its pages before it
+    builds the model)."""
     from transformers import AutoConfig
 
     core = load_core(folder)
@@ -63,12 +62,13 @@ def folder_layers(folder: str, dtype: torch.dtype) -> List[Tuple[Tuple[List[str]
     try:
         with torch.device("meta"):
             model = core.model_class(config)
-        return [(state_layout(layer.mixer), keeps_kv(layer.mixer)) for layer in model.model.layers]
+        return [state_layout(layer.mixer) for layer in model.model.layers]
     finally:
         torch.set_default_dtype(default)
 
 
 def keeps_kv(mixer) -> bool:
+    """Whether the layer's mixer keeps keys and values (a layer pattern's linear layers do not)."""
     return mixer.allocate_inference_cache(1, torch.float32, device="meta", capacity=1).key is not None
 
 
@@ -184,7 +184,7 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
     @classmethod
     def get_mamba_specs_from_config(cls, vllm_config: VllmConfig) -> List[MambaSpec]:
         """The distinct layers' state specs (vLLM sizes attention pages to hold the largest)."""
-        layouts = {tuple(map(tuple, layout[1:])) for layout, _ in folder_layers(
+        layouts = {tuple(map(tuple, layout[1:])) for layout in folder_state_layouts(
             vllm_config.model_config.model, vllm_config.model_config.dtype)}
         return [MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1) for shapes, dtypes in layouts]
 
