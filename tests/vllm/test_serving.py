@@ -108,6 +108,8 @@ def test_a_schedule_sent_to_a_process_serving_no_oryx_folder_is_refused(monkeypa
     (dict(hf_overrides={"serving_schedule": "router threshold=0.5"}),
      r"serving_schedule='router threshold=0.5': router schedules are not served"),
     (dict(tensor_parallel_size=2), r"tensor_parallel_size=2, pipeline_parallel_size=1: one process serves"),
+    (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype=fp8 is not supported: the core writes keys and values in the "
+                                 r"model's dtype"),
 ])
 def test_a_deployment_that_is_not_served_is_refused_at_start_up(folders, settings, message):
     root, _ = folders

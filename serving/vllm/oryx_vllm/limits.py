@@ -4,7 +4,7 @@ import importlib
 from typing import Any
 
 from vllm.logger import init_logger
-from vllm.model_executor.models.config import MambaModelConfig
+from vllm.model_executor.models.config import HybridAttentionMambaModelConfig
 
 from oryx_vllm import OryxServingError
 from oryx_vllm.requests import parse_schedule, serve
@@ -14,7 +14,7 @@ logger = init_logger("vllm.oryx_vllm")  # under vLLM's logger: its handler and l
 SCHEDULE_KEY = "serving_schedule"  # --hf-overrides '{"serving_schedule": "prefill=linear decode=attention"}'
 
 
-class OryxModelConfig(MambaModelConfig):
+class OryxModelConfig(HybridAttentionMambaModelConfig):
     """vLLM's start-up hook for the architecture (in the process that builds the config, before any engine
     starts): prefix caching turned off (a layer's conv and recurrent states are one slot per request), what the
     plugin does not serve refused, then vLLM's settings of its hybrid models (vLLM sizes the KV pages to the
@@ -40,6 +40,9 @@ def check_deployment(vllm_config) -> None:
                                f"size={parallel.pipeline_parallel_size}: one process serves the model (set both to 1)")
     if vllm_config.speculative_config is not None:
         raise OryxServingError("oryx-vllm: speculative_config is not supported")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise OryxServingError(f"oryx-vllm: kv_cache_dtype={vllm_config.cache_config.cache_dtype} is not supported: "
+                               "the core writes keys and values in the model's dtype (use auto)")
     if vllm_config.model_config.enable_prompt_embeds:
         raise OryxServingError("oryx-vllm: enable_prompt_embeds is not supported (a schedule counts prompt tokens)")
     config = vllm_config.model_config.hf_config
