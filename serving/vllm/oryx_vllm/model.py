@@ -18,7 +18,7 @@ different schedules share a batch."""
 
 import dataclasses
 from functools import lru_cache
-from typing import Iterable, List, Set, Tuple
+from typing import Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -74,8 +74,8 @@ def keeps_kv(mixer) -> bool:
 
 class OryxLayerState(MambaBase, nn.Module):
     """One layer's conv and recurrent states as vLLM cache memory: ``kv_cache`` holds a tensor [slots, *shape] per
-    entry of ``state_layout``; ``cache(slot, start, pages)`` is the core's MixerCache of batch 1 over that slot's
-    views and the request's pages of keys and values (``KVPages``)."""
+    entry of ``state_layout``; ``batch_cache`` is the core's MixerCache of a batch of requests over their slots'
+    states and their pages of keys and values (``KVPages``)."""
 
     def __init__(self, mixer, mixer_cache_class, largest_page: int, kv_bytes_per_token: int, prefix: str):
         super().__init__()
@@ -113,22 +113,21 @@ class OryxLayerState(MambaBase, nn.Module):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.MAMBA1  # its metadata only: slots, query starts; no kernel of it runs
 
-    def batch_cache(self, slots: Tensor, positions: Tensor, pages):
+    def batch_cache(self, slots: Tensor, positions: Tensor, longest: int, fresh: Optional[Tensor], pages):
         """The MixerCache of a batch of requests, each at its own position (``positions`` [b], its first token of
-        this step; all equal for prefill chunks): each request's conv and recurrent states gathered from its slot
-        (``slots`` [b]; zeros at position 0: a slot may hold an earlier request's; ``scatter`` writes them back),
-        keys and values read and written in its pages in place (``pages``: ``KVPages.of`` the batch, or None)."""
-        states = dict(zip(self.names, self.kv_cache))
-        gathered = {name: t[slots] for name, t in states.items()}
-        fresh = positions == 0
-        if bool(fresh.any()):
+        this step, all equal for prefill chunks; ``longest``: their largest): each request's conv and recurrent
+        states gathered from its slot (``slots`` [b]; zeros where ``fresh`` [b] (None: nowhere), a request at
+        position 0, whose slot may hold an earlier request's; ``scatter`` writes them back), keys and values read
+        and written in its pages in place (``pages``: ``KVPages.of`` the batch, or None)."""
+        gathered = {name: t[slots] for name, t in zip(self.names, self.kv_cache)}
+        if fresh is not None:
             for t in gathered.values():
                 t.masked_fill_(fresh.view(-1, *(1,) * (t.dim() - 1)), 0)
         recurrent = {name[len(RECURRENT):]: t for name, t in gathered.items() if name.startswith(RECURRENT)}
         key, value, table = (None, None, None) if pages is None else pages
         return self.mixer_cache_class(gathered["conv_state"], key, value, recurrent, positions.clone(),
-                                      torch.zeros_like(positions), int(positions.max()),
-                                      conv_weight=self.conv_weight, block_table=table)
+                                      torch.zeros_like(positions), longest, conv_weight=self.conv_weight,
+                                      block_table=table)
 
     def scatter(self, cache, slots: Tensor) -> None:
         """Write a batch's conv and recurrent states back into their slots (and keep its conv weight: the weights
@@ -228,7 +227,7 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
             else:
                 context = self.core.context.MixerContext.build(
                     self.mixer_config, torch.tensor(modes, device=hidden.device)[:, None], decode=True)
-            out[tokens] = self._layers(hidden[tokens], context, per_layer, decodes, positions[tokens])
+            out[tokens] = self._layers(hidden[tokens], context, per_layer, decodes, [starts[row] for row in decodes])
         chunks = {}  # prefill chunks of one start and length run as one batch: (start, length) -> rows
         for row in sorted(set(range(len(order))) - set(decodes)):
             chunks.setdefault((starts[row], order[row][1] - order[row][0]), []).append(row)
@@ -239,20 +238,21 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
                               for row in rows])
             context = self.core.context.MixerContext.build(self.mixer_config,
                                                            torch.from_numpy(modes).long().to(hidden.device))
-            at = torch.full((len(rows),), start, device=hidden.device)
-            out[tokens] = self._layers(hidden[tokens], context, per_layer, rows, at)
+            out[tokens] = self._layers(hidden[tokens], context, per_layer, rows, [start] * len(rows))
         return out
 
-    def _layers(self, hidden: Tensor, context, per_layer, rows: List[int], positions: Tensor) -> Tensor:
+    def _layers(self, hidden: Tensor, context, per_layer, rows: List[int], starts: List[int]) -> Tensor:
         """The step's requests ``rows`` through every layer, one core call per layer: a decode's token each
-        (hidden [b, hidden]) or prefill chunks of one length from one position ([b, s, hidden]; ``positions``
-        [b]: each request's first position of this step), each request in its slot (``per_layer``) and pages;
+        (hidden [b, hidden]) or prefill chunks of one length from one position ([b, s, hidden]; ``starts``: each
+        request's first position of this step, on the host), each request in its slot (``per_layer``) and pages;
         ``context``: the tokens' modes (a layer pattern's layers read as their mixers do)."""
+        positions = torch.tensor(starts, device=hidden.device)
+        fresh = (positions == 0) if 0 in starts else None  # new requests: their slots' states start from zeros
         contexts = context.for_layers(self.model.layer_configs)
         for layer, layer_context, state, kv, layer_requests in zip(self.model.layers, contexts, self.states, self.kv,
                                                                    per_layer):
             slots = torch.tensor([layer_requests[row][2] for row in rows], device=hidden.device)
-            cache = state.batch_cache(slots, positions, None if kv is None else kv.of(rows))
+            cache = state.batch_cache(slots, positions, max(starts), fresh, None if kv is None else kv.of(rows))
             hidden = layer(hidden, layer_context, cache)
             state.scatter(cache, slots)
         return self.model.norm(hidden)

@@ -77,15 +77,13 @@ class Row:
             self._modes = schedule.position_modes(self.prompt_len, self.prompt_len + max(self.max_tokens, 1) - 1)
         return self._modes
 
-
     def chunk_modes(self, start: int, length: int, schedules: ModuleType, default) -> np.ndarray:
         """int8 modes of the positions start .. start + length - 1 (the last one repeated past the request's end)."""
-        modes = self.modes(schedules, default)[start:start + length]
-        return np.pad(modes, (0, length - len(modes)), mode="edge")
+        modes = self.modes(schedules, default)
+        return modes[np.minimum(np.arange(start, start + length), len(modes) - 1)]
 
     def mode_at(self, position: int, schedules: ModuleType, default) -> int:
-        modes = self.modes(schedules, default)
-        return int(modes[min(position, len(modes) - 1)])
+        return int(self.chunk_modes(position, 1, schedules, default)[0])
 
 
 ROWS: Dict[int, Row] = {}  # this worker's persistent batch: row -> Row
