@@ -143,12 +143,16 @@ class OryxMixer(HeadModule):
         if cache is not None:
             if cache.key is None:
                 return self._refuse_attention_without_kv_cache(context)
-            k, v = cache.append(k, v)
+            cache.append(k, v)
+        if Mode.ATTENTION not in context.reads:
+            return None
+        if cache is not None:
+            if cache.engine_kv is not None:  # an engine's kernel reads its pages
+                return cache.engine_kv.attend(q)
+            k, v = cache.cached(end)
             if offset:  # the cached keys of earlier documents (MixerCache.start_documents) are not read
                 new = document_ids if document_ids is not None else q.new_zeros(q.shape[:2], dtype=torch.long)
                 document_ids = cache.key_document_ids(new)  # [b, offset + s]
-        if Mode.ATTENTION not in context.reads:
-            return None
         return self.core_attention(q, k, v, context.attention_readers, document_ids)
 
     # ---- one-token decode ----
@@ -183,7 +187,7 @@ class OryxMixer(HeadModule):
                     q = self._rotary(x[self.layout.attention_query][:, None], rotary)
                     eager = hidden.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
                     length = cache.seqlen + 1 if eager else None
-                    outputs[Mode.ATTENTION] = decode_attention(
+                    outputs[Mode.ATTENTION] = cache.engine_kv.attend(q) if cache.engine_kv else decode_attention(
                         q, *cache.cached(length), cache.position, cache.document_start if cache.documents else None,
                         length=length)
         if self.linear_mixer is not None:

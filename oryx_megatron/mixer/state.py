@@ -3,7 +3,7 @@ document bookkeeping, updated in place on every token whatever its mode; snapsho
 position (speculative decoding, router decisions at decode)."""
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -30,6 +30,18 @@ class MixerSnapshot:
     seqlen: int
 
 
+class EngineKV(Protocol):
+    """A serving engine's kernels over its pages of keys and values, in a layout of their own (vLLM's CPU attention
+    keeps keys transposed within a page): the core hands them the batch's tokens and reads through them."""
+
+    def write(self, key: Tensor, value: Tensor) -> None:
+        """Store the batch's next s tokens' key, value [b, s, h, d] (rotated) at their positions."""
+
+    def attend(self, query: Tensor) -> Tensor:
+        """Queries [b, s, h, d_k] (rotated) of those s tokens -> [b, s, h, d_v]: causal softmax attention over
+        every key of the sequence written so far (one document)."""
+
+
 @dataclass
 class MixerCache:
     """Inference state of one layer, updated in place on every token whatever its mode.
@@ -43,7 +55,8 @@ class MixerCache:
     size, h, d], shared by every sequence of the engine, and sequence i's position p lives in page
     ``block_table[i, p // page size]`` at ``p % page size`` (written in place; the engine allocates the pages, so a
     sequence holds memory for the tokens it has). Its decode step batches sequences that stand at different
-    positions: ``position`` [b] holds each one's (``seqlen`` is then the largest).
+    positions: ``position`` [b] holds each one's (``seqlen`` is then the largest). Where the engine's own kernels
+    write and read its pages, in their layout, ``engine_kv`` does both (``EngineKV``).
     """
 
     conv_state: Tensor  # [b, h * conv width, conv_kernel - 1]: the conv streams' last inputs (OryxMixer._conv)
@@ -58,6 +71,7 @@ class MixerCache:
     # step and kept: a model's weights do not change while one of its caches is in use (a generation)
     block_table: Optional[Tensor] = None  # [b, n] long: each sequence's pages of key / value (see above); None:
     # row i of key / value is sequence i
+    engine_kv: Optional["EngineKV"] = None  # an engine's kernels write and read the pages, in their own layout
 
     @property
     def capacity(self) -> int:
@@ -80,22 +94,25 @@ class MixerCache:
             setattr(self, name, new)
         return True
 
-    def append(self, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor]:
-        """Store s new tokens' key/value [b, s, h, d] after the cached ones: (every key, every value)."""
+    def append(self, key: Tensor, value: Tensor) -> None:
+        """Store s new tokens' key/value [b, s, h, d] after the cached ones (``cached`` reads them)."""
         end = self.seqlen + key.shape[1]
         self.reserve(end)
-        if self.block_table is not None:
+        if self.engine_kv is not None:
+            self.engine_kv.write(key, value)
+        elif self.block_table is not None:
             positions = torch.arange(self.seqlen, end, device=key.device).expand(key.shape[0], -1)  # [b, s]
             pages, offsets = self._pages(positions)
             self.key[pages, offsets] = key
             self.value[pages, offsets] = value
-            return self.cached(end)
-        self.key[:, self.seqlen : end] = key
-        self.value[:, self.seqlen : end] = value
-        return self.key[:, :end], self.value[:, :end]
+        else:
+            self.key[:, self.seqlen : end] = key
+            self.value[:, self.seqlen : end] = value
 
     def write_at_position(self, key: Tensor, value: Tensor) -> None:
         """Store one token's key/value [b, 1, h, d] at ``position`` (no host-side index)."""
+        if self.engine_kv is not None:
+            return self.engine_kv.write(key, value)
         if self.position.dim() == 0 and self.block_table is None:
             index = self.position.view(1)
             self.key.index_copy_(1, index, key)

@@ -3,6 +3,7 @@ tokens equal oryx-generate's on the same weights for every schedule, the schedul
 one batch, prompts cut by chunked prefill (64 tokens a step); the deployment's schedule for requests that name
 none; bad schedules and settings refused in one line naming them (the server: test_server.py)."""
 
+import json
 import os
 
 import pytest
@@ -16,6 +17,7 @@ DEPLOYMENT = "prefill=linear decode=attention"
 ENGINE = dict(trust_remote_code=True, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
               max_num_batched_tokens=64, enforce_eager=True, gpu_memory_utilization=0.3)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model's function, to the engine process
 
 
 def params(expected, schedule=None):
@@ -44,6 +46,21 @@ def test_every_schedule_per_request_in_one_batch_gives_oryx_generates_tokens(ser
     for (schedule, i), output in zip(cases, outputs):
         want = tokens[schedule or DEPLOYMENT][i]
         assert list(output.outputs[0].token_ids) == want, (family, schedule, len(expected["prompts"][i]))
+
+
+def kernel_reads(model) -> list:
+    """Whether vLLM's kernels keep each layer's keys and values, once per answer (none: no layer keeps any)."""
+    return sorted({kv.in_place for kv in getattr(model, "kv", []) if kv is not None})
+
+
+def test_vllms_kernels_keep_the_keys_and_values_where_they_take_the_head_sizes(served, folders):
+    """vLLM's CPU attention kernels write and read a layer's pages where keys and values have one head size
+    (oryx_tg, lanorm: the tokens above came through them), else the core does (oryx_tm: value heads of 48)."""
+    family, llm, _ = served
+    config = json.loads((folders[0] / family / "config.json").read_text())
+    in_place = llm.apply_model(kernel_reads)
+    keeps_kv = family in ("oryx_tg", "oryx_tm", "oryx_tm_pattern", "lanorm")  # layers with an attention mixer
+    assert in_place == [[config["head_dim"] == config["value_head_dim"]] if keeps_kv else []], family
 
 
 def test_requests_preempted_when_the_pages_run_out_resume_with_oryx_generates_tokens(folders):

@@ -52,12 +52,12 @@ def check_deployment(vllm_config) -> None:
 
 
 def check_core(config) -> None:
-    """The folder's core keeps keys and values in an engine's pages (``MixerCache.block_table``, 2026-12-07); an
-    earlier export's does not."""
+    """The folder's core keeps keys and values in an engine's pages, written and read by the engine's kernels
+    (``MixerCache.block_table``, ``engine_kv``: 2026-12-08); an earlier export's does not."""
     state = importlib.import_module(type(config).__module__.rsplit(".", 1)[0] + ".oryx_mixer_state")
-    if "block_table" not in getattr(state.MixerCache, "__dataclass_fields__", {}):
-        raise OryxServingError("oryx-vllm: the folder's core keeps no keys and values in pages (its MixerCache has no "
-                               "block_table): export the folder again (oryx-export hf)")
+    if "engine_kv" not in getattr(state.MixerCache, "__dataclass_fields__", {}):
+        raise OryxServingError("oryx-vllm: the folder's core does not let vLLM's kernels keep its keys and values "
+                               "(its MixerCache has no engine_kv): export the folder again (oryx-export hf)")
 
 
 def serving_schedule(config: Any, schedules) -> Any:

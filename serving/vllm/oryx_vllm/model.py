@@ -4,8 +4,9 @@ KV cache and the recurrent state on every token), vLLM owns the memory, as it do
 attention KV spec: a request holds pages for the tokens it has), and the layer's short convs' states and each
 tensor of its recurrent state (``LinearMixer.state_spec``) are one vLLM "mamba" state of that layer
 (``OryxLayerState``), a slot per running request. vLLM allocates both, hands each request its pages and slot and
-keeps them across chunked-prefill steps and decode steps. No vLLM attention kernel runs: the core writes and reads
-the pages itself (``MixerCache.block_table``), so a token of either mode writes its key and value there.
+keeps them across chunked-prefill steps and decode steps. A token of either mode writes its key and value there:
+vLLM's CPU attention kernels write and read the pages in place (``MixerCache.engine_kv``: ``KernelKV``) where
+they take the layer's head sizes, else the core does (``MixerCache.block_table``).
 
 A step's decoding requests (one token each, at positions of their own) run as one batch through the core, one
 call per layer: each request at its own position (``MixerCache.position`` [b]) in its own pages, the conv and
@@ -24,12 +25,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from vllm import _custom_ops as ops, envs
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from oryx_vllm import OryxServingError
@@ -118,16 +121,17 @@ class OryxLayerState(MambaBase, nn.Module):
         this step, all equal for prefill chunks; ``longest``: their largest): each request's conv and recurrent
         states gathered from its slot (``slots`` [b]; zeros where ``fresh`` [b] (None: nowhere), a request at
         position 0, whose slot may hold an earlier request's; ``scatter`` writes them back), keys and values read
-        and written in its pages in place (``pages``: ``KVPages.of`` the batch, or None)."""
-        gathered = {name: t[slots] for name, t in zip(self.names, self.kv_cache)}
+        and written in its pages (``pages``: the layer's key and value pages, the batch's block table and vLLM's
+        kernels over them, ``KVPages.kernels``; or None)."""
+        gathered = {name: t.index_select(0, slots) for name, t in zip(self.names, self.kv_cache)}
         if fresh is not None:
             for t in gathered.values():
                 t.masked_fill_(fresh.view(-1, *(1,) * (t.dim() - 1)), 0)
         recurrent = {name[len(RECURRENT):]: t for name, t in gathered.items() if name.startswith(RECURRENT)}
-        key, value, table = (None, None, None) if pages is None else pages
+        key, value, table, kernels = (None,) * 4 if pages is None else pages
         return self.mixer_cache_class(gathered["conv_state"], key, value, recurrent, positions.clone(),
                                       torch.zeros_like(positions), longest, conv_weight=self.conv_weight,
-                                      block_table=table)
+                                      block_table=table, engine_kv=kernels)
 
     def scatter(self, cache, slots: Tensor) -> None:
         """Write a batch's conv and recurrent states back into their slots (and keep its conv weight: the weights
@@ -140,21 +144,90 @@ class OryxLayerState(MambaBase, nn.Module):
                 t[slots] = cache.recurrent_state[name[len(RECURRENT):]]
 
 
+@dataclasses.dataclass
+class PageBatch:
+    """A batch of the step's requests (b of them, s tokens each from a position of its own) in one vLLM KV cache
+    group, as vLLM's CPU attention kernels read it, built once per batch and group: block table [b, n], each
+    token's place in the pages (``slots`` [b * s]), query starts [b + 1] and sequence lengths [b] after the s
+    tokens (int32, as vLLM's own metadata), and the kernel's split of the work (``schedule``)."""
+
+    table: Tensor
+    slots: Tensor
+    query_start: Tensor
+    seq_lens: Tensor
+    schedule: Optional[Tensor]  # None: the core writes and reads the pages (KVPages.in_place is False)
+
+    @classmethod
+    def of(cls, kv: "KVPages", rows: List[int], tokens: Tensor, starts: List[int]) -> "PageBatch":
+        """``rows``: the requests' places in the step; ``tokens`` [b] or [b, s]: their tokens' places."""
+        meta = get_forward_context().attn_metadata[kv.layer_name]
+        length = tokens.shape[1] if tokens.dim() == 2 else 1
+        query_start = torch.arange(0, len(rows) * length + 1, length, dtype=torch.int32)
+        seq_lens = torch.tensor(starts, dtype=torch.int32) + length
+        schedule = None
+        if kv.in_place:
+            schedule = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=len(rows), num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_size,
+                seq_lens=seq_lens, dtype=kv.kv_cache.dtype, query_start_loc=query_start, causal=True,
+                sliding_window_size=-1, isa=kv.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+        return cls(meta.block_table[rows], meta.slot_mapping[tokens.flatten()], query_start, seq_lens, schedule)
+
+
 class KVPages(Attention):
     """One layer's keys and values in vLLM's paged KV cache: a vLLM attention layer (vLLM sizes, allocates and
-    assigns its pages, and hands the step its block table), whose attention the core computes, not vLLM."""
+    assigns its pages, and hands the step its block table). vLLM's CPU attention kernels write and read them in
+    their layout where they can (``in_place``: keys and values of one head size they support: ``kernels``), else
+    the core writes and reads them in its own (``pages``)."""
 
-    def of(self, rows) -> Tuple[Tensor, Tensor, Tensor]:
-        """(key pages, value pages [pages, page size, h, d], views of vLLM's tensor, and the block table [b, n] of
-        the step's requests at ``rows``), as ``MixerCache`` reads them."""
-        # vLLM's tensor [pages, h, page size, d_k + d_v] is the pages' memory, page after page; no vLLM kernel reads
-        # it, so each page holds the core's layout: its keys [page size, h, d_k], then its values [page size, h, d_v]
+    @property
+    def in_place(self) -> bool:
+        return (self.head_size == self.head_size_v and hasattr(self, "isa")  # isa: set by vLLM's CPU backend
+                and self.head_size in CPUAttentionBackend.get_supported_head_sizes())
+
+    def pages(self) -> Tuple[Tensor, Tensor]:
+        """(key pages [pages, page size, h, d_k], value pages [.., d_v]) in the core's layout (``MixerCache``):
+        views of vLLM's tensor [pages, h, page size, d_k + d_v], each page's each head its keys, then its values
+        (the kernels' split of it: ``_head_major``)."""
+        key, value = self._head_major()
+        return key.transpose(1, 2), value.transpose(1, 2)
+
+    def _head_major(self) -> Tuple[Tensor, Tensor]:
+        """(key pages [pages, h, page size, d_k], value pages [.., d_v]): views of vLLM's tensor, as vLLM's CPU
+        attention splits it (``cpu_attn.py``)."""
         pages, heads, size, _ = self.kv_cache.shape
-        d_k, d_v = self.head_size, self.head_size_v
-        key, value = self.kv_cache.view(pages, -1).split([size * heads * d_k, size * heads * d_v], dim=1)
-        key, value = key.view(pages, size, heads, d_k), value.view(pages, size, heads, d_v)
-        table = get_forward_context().attn_metadata[self.layer_name].block_table[rows]
-        return key, value, table
+        key, value = self.kv_cache.view(pages, heads, -1).split([size * self.head_size, size * self.head_size_v], 2)
+        return key.view(pages, heads, size, -1), value.view(pages, heads, size, -1)
+
+    def kernels(self, batch: PageBatch) -> Optional["KernelKV"]:
+        """The batch's writes and reads through vLLM's kernels (``MixerCache.engine_kv``), or None."""
+        return None if batch.schedule is None else KernelKV(self, batch, *self._head_major())
+
+
+@dataclasses.dataclass
+class KernelKV:
+    """A layer's keys and values written and read by vLLM's CPU attention kernels (``EngineKV`` of the core's
+    ``MixerCache``), for one batch: the kernels keep their own layout (keys transposed within a page)."""
+
+    layer: KVPages
+    batch: PageBatch
+    key_cache: Tensor
+    value_cache: Tensor
+
+    def write(self, key: Tensor, value: Tensor) -> None:
+        """key, value [b, s, h, d] of the batch's tokens -> their places in the pages."""
+        ops.cpu_attn_reshape_and_cache(key.reshape(-1, *key.shape[2:]), value.reshape(-1, *value.shape[2:]),
+                                       self.key_cache, self.value_cache, self.batch.slots, self.layer.isa)
+
+    def attend(self, query: Tensor) -> Tensor:
+        """query [b, s, h, d] -> [b, s, h, d]: each token's causal read of its request's keys and values."""
+        out = torch.empty_like(query)
+        batch = self.batch
+        ops.cpu_attention_with_kv_cache(
+            query=query.reshape(-1, *query.shape[2:]), key_cache=self.key_cache, value_cache=self.value_cache,
+            output=out.view(-1, *query.shape[2:]), query_start_loc=batch.query_start, seq_lens=batch.seq_lens,
+            scale=self.layer.impl.scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=batch.table,
+            softcap=0.0, scheduler_metadata=batch.schedule, s_aux=None)
+        return out
 
 
 class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
@@ -227,7 +300,7 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
             else:
                 context = self.core.context.MixerContext.build(
                     self.mixer_config, torch.tensor(modes, device=hidden.device)[:, None], decode=True)
-            out[tokens] = self._layers(hidden[tokens], context, per_layer, decodes, [starts[row] for row in decodes])
+            out[tokens] = self._layers(hidden, tokens, context, per_layer, decodes, [starts[row] for row in decodes])
         chunks = {}  # prefill chunks of one start and length run as one batch: (start, length) -> rows
         for row in sorted(set(range(len(order))) - set(decodes)):
             chunks.setdefault((starts[row], order[row][1] - order[row][0]), []).append(row)
@@ -238,23 +311,34 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
                               for row in rows])
             context = self.core.context.MixerContext.build(self.mixer_config,
                                                            torch.from_numpy(modes).long().to(hidden.device))
-            out[tokens] = self._layers(hidden[tokens], context, per_layer, rows, [start] * len(rows))
+            out[tokens] = self._layers(hidden, tokens, context, per_layer, rows, [start] * len(rows))
         return out
 
-    def _layers(self, hidden: Tensor, context, per_layer, rows: List[int], starts: List[int]) -> Tensor:
+    def _layers(self, hidden: Tensor, tokens: Tensor, context, per_layer, rows: List[int], starts: List[int]) -> Tensor:
         """The step's requests ``rows`` through every layer, one core call per layer: a decode's token each
-        (hidden [b, hidden]) or prefill chunks of one length from one position ([b, s, hidden]; ``starts``: each
-        request's first position of this step, on the host), each request in its slot (``per_layer``) and pages;
-        ``context``: the tokens' modes (a layer pattern's layers read as their mixers do)."""
+        (``tokens`` [b], their places in the step's ``hidden`` [tokens, hidden]) or prefill chunks of one length
+        from one position (``tokens`` [b, s]; ``starts``: each request's first position of this step, on the host),
+        each request in its slot (``per_layer``) and pages; ``context``: the tokens' modes (a layer pattern's
+        layers read as their mixers do)."""
         positions = torch.tensor(starts, device=hidden.device)
         fresh = (positions == 0) if 0 in starts else None  # new requests: their slots' states start from zeros
         contexts = context.for_layers(self.model.layer_configs)
+        metadata = get_forward_context().attn_metadata
+        slots, batches = {}, {}  # per vLLM cache group (its layers share the requests' slots, or pages)
+        hidden = hidden[tokens]
         for layer, layer_context, state, kv, layer_requests in zip(self.model.layers, contexts, self.states, self.kv,
                                                                    per_layer):
-            slots = torch.tensor([layer_requests[row][2] for row in rows], device=hidden.device)
-            cache = state.batch_cache(slots, positions, max(starts), fresh, None if kv is None else kv.of(rows))
+            if id(layer_requests) not in slots:
+                slots[id(layer_requests)] = torch.tensor([layer_requests[row][2] for row in rows])
+            pages = None
+            if kv is not None:
+                group = id(metadata[kv.layer_name])
+                if group not in batches:
+                    batches[group] = PageBatch.of(kv, rows, tokens, starts)
+                pages = (*kv.pages(), batches[group].table, kv.kernels(batches[group]))
+            cache = state.batch_cache(slots[id(layer_requests)], positions, max(starts), fresh, pages)
             hidden = layer(hidden, layer_context, cache)
-            state.scatter(cache, slots)
+            state.scatter(cache, slots[id(layer_requests)])
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
