@@ -5,6 +5,7 @@ none; bad schedules and settings refused in one line naming them (the server: te
 
 import json
 import os
+import shutil
 
 import pytest
 from vllm import LLM, SamplingParams, TokensPrompt
@@ -132,6 +133,19 @@ def test_a_deployment_that_is_not_served_is_refused_at_start_up(folders, setting
     root, _ = folders
     with pytest.raises(Exception, match=message):
         LLM(model=str(root / "oryx_tg"), **{**ENGINE, **settings})
+
+
+def test_a_folder_whose_core_cannot_hand_its_keys_to_vllms_kernels_is_refused_at_start_up(folders, tmp_path):
+    """A folder exported before 2026-12-08: its core's MixerCache has no engine_kv (here: the field taken out of a
+    copy of oryx_tg's core)."""
+    root, _ = folders
+    old = shutil.copytree(root / "oryx_tg", tmp_path / "oryx_tg")
+    state = old / "oryx_mixer_state.py"
+    lines = state.read_text().splitlines(keepends=True)
+    state.write_text("".join(line for line in lines if not line.lstrip().startswith("engine_kv:")))
+    with pytest.raises(Exception, match=r"oryx-vllm: the folder's core does not let vLLM's kernels keep its keys and "
+                                        r"values \(its MixerCache has no engine_kv\): export the folder again"):
+        LLM(model=str(old), **ENGINE)
 
 
 def test_a_vllm_other_than_0_32_is_refused_in_one_line_naming_it():
