@@ -187,7 +187,7 @@ class OryxMixer(HeadModule):
                     q = self._rotary(x[self.layout.attention_query][:, None], rotary)
                     eager = hidden.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
                     length = cache.seqlen + 1 if eager else None
-                    outputs[Mode.ATTENTION] = cache.engine_kv.attend(q) if cache.engine_kv else decode_attention(
+                    outputs[Mode.ATTENTION] = cache.engine_kv.attend(q) if cache.engine_kv is not None else decode_attention(
                         q, *cache.cached(length), cache.position, cache.document_start if cache.documents else None,
                         length=length)
         if self.linear_mixer is not None:

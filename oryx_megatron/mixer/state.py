@@ -101,10 +101,7 @@ class MixerCache:
         if self.engine_kv is not None:
             self.engine_kv.write(key, value)
         elif self.block_table is not None:
-            positions = torch.arange(self.seqlen, end, device=key.device).expand(key.shape[0], -1)  # [b, s]
-            pages, offsets = self._pages(positions)
-            self.key[pages, offsets] = key
-            self.value[pages, offsets] = value
+            self._write_pages(torch.arange(self.seqlen, end, device=key.device).expand(key.shape[0], -1), key, value)
         else:
             self.key[:, self.seqlen : end] = key
             self.value[:, self.seqlen : end] = value
@@ -112,21 +109,17 @@ class MixerCache:
     def write_at_position(self, key: Tensor, value: Tensor) -> None:
         """Store one token's key/value [b, 1, h, d] at ``position`` (no host-side index)."""
         if self.engine_kv is not None:
-            return self.engine_kv.write(key, value)
-        if self.position.dim() == 0 and self.block_table is None:
+            self.engine_kv.write(key, value)
+        elif self.block_table is not None:
+            self._write_pages(self.position.expand(key.shape[0])[:, None], key, value)
+        elif self.position.dim() == 0:
             index = self.position.view(1)
             self.key.index_copy_(1, index, key)
             self.value.index_copy_(1, index, value)
-            return
-        position = self.position.expand(key.shape[0])
-        if self.block_table is None:
+        else:
             rows = torch.arange(key.shape[0], device=key.device)
-            self.key[rows, position] = key[:, 0]
-            self.value[rows, position] = value[:, 0]
-            return
-        pages, offsets = self._pages(position[:, None])  # [b, 1]
-        self.key[pages, offsets] = key
-        self.value[pages, offsets] = value
+            self.key[rows, self.position] = key[:, 0]
+            self.value[rows, self.position] = value[:, 0]
 
     def cached(self, length: Optional[int] = None) -> Tuple[Tensor, Tensor]:
         """The sequences' keys and values [b, length (None: capacity), h, d] (copied out of their pages)."""
@@ -136,10 +129,13 @@ class MixerCache:
         pages = self.block_table[:, : None if length is None else -(-length // size)]  # [b, n]
         return tuple(t[pages].flatten(1, 2)[:, :length] for t in (self.key, self.value))  # [b, n * size, h, d]
 
-    def _pages(self, positions: Tensor) -> Tuple[Tensor, Tensor]:
-        """positions [b, s] of the sequences -> their (page, offset in the page), [b, s] each."""
+    def _write_pages(self, positions: Tensor, key: Tensor, value: Tensor) -> None:
+        """Store key/value [b, s, h, d] at the sequences' positions [b, s], in page ``block_table[i, p // size]`` at
+        ``p % size``."""
         size = self.key.shape[1]
-        return self.block_table.gather(1, positions // size), positions % size
+        pages, offsets = self.block_table.gather(1, positions // size), positions % size
+        self.key[pages, offsets] = key
+        self.value[pages, offsets] = value
 
     def initial_conv_state(self) -> Optional[Tensor]:
         """The conv state a prefill continues from: None before the first token (zero padding)."""

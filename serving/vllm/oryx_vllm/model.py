@@ -158,9 +158,9 @@ class PageBatch:
     schedule: Optional[Tensor]  # None: the core writes and reads the pages (KVPages.in_place is False)
 
     @classmethod
-    def of(cls, kv: "KVPages", rows: List[int], tokens: Tensor, starts: List[int]) -> "PageBatch":
-        """``rows``: the requests' places in the step; ``tokens`` [b] or [b, s]: their tokens' places."""
-        meta = get_forward_context().attn_metadata[kv.layer_name]
+    def of(cls, kv: "KVPages", meta, rows: List[int], tokens: Tensor, starts: List[int]) -> "PageBatch":
+        """``meta``: the step's attention metadata of ``kv``'s group; ``rows``: the requests' places in the step;
+        ``tokens`` [b] or [b, s]: their tokens' places."""
         length = tokens.shape[1] if tokens.dim() == 2 else 1
         query_start = torch.arange(0, len(rows) * length + 1, length, dtype=torch.int32)
         seq_lens = torch.tensor(starts, dtype=torch.int32) + length
@@ -332,10 +332,11 @@ class OryxForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 slots[id(layer_requests)] = torch.tensor([layer_requests[row][2] for row in rows])
             pages = None
             if kv is not None:
-                group = id(metadata[kv.layer_name])
-                if group not in batches:
-                    batches[group] = PageBatch.of(kv, rows, tokens, starts)
-                pages = (*kv.pages(), batches[group].table, kv.kernels(batches[group]))
+                meta = metadata[kv.layer_name]
+                if id(meta) not in batches:
+                    batches[id(meta)] = PageBatch.of(kv, meta, rows, tokens, starts)
+                batch = batches[id(meta)]
+                pages = (*kv.pages(), batch.table, kv.kernels(batch))
             cache = state.batch_cache(slots[id(layer_requests)], positions, max(starts), fresh, pages)
             hidden = layer(hidden, layer_context, cache)
             state.scatter(cache, slots[id(layer_requests)])
